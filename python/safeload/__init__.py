@@ -1,0 +1,27 @@
+"""safeload: a drop-in for safetensors 0.8 that reads checkpoints in parallel, straight into
+memory each tensor owns, with the GIL released.
+
+    from safeload import safe_open          # instead of: from safetensors import safe_open
+    import safeload.torch                   # instead of: import safetensors.torch
+"""
+
+from ._open import _safe_open_handle, safe_open  # noqa: F401
+from ._safeload import (  # noqa: F401
+    SafetensorError,
+    TensorSpec,
+    __version__,
+    deserialize,
+    serialize,
+    serialize_file,
+)
+
+__all__ = [
+    "SafetensorError",
+    "TensorSpec",
+    "__version__",
+    "deserialize",
+    "safe_open",
+    "_safe_open_handle",
+    "serialize",
+    "serialize_file",
+]

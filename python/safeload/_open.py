@@ -1,0 +1,176 @@
+"""``safe_open``: safetensors 0.8's handle, on safeload's Rust reader."""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Dict, List, Optional
+
+from . import _device
+from ._frameworks import CONVERTERS, FRAMEWORKS
+from ._safeload import Handle, SafetensorError
+
+DEFAULT_BACKEND = "auto"
+
+
+def _framework(framework: Any) -> str:
+    if not isinstance(framework, str):
+        raise TypeError(f"argument 'framework': {type(framework).__name__!r} object is not a str")
+    try:
+        return FRAMEWORKS[framework]
+    except KeyError:
+        raise SafetensorError(f"framework {framework} is invalid") from None
+
+
+class safe_open:
+    """Opens a safetensors file lazily and returns tensors as asked.
+
+    Args:
+        filename: ``str`` or ``os.PathLike``.
+        framework: ``"pt"``, ``"np"``, ``"tf"``, ``"flax"``, ``"mlx"`` or ``"paddle"``.
+        device: ``"cpu"`` (default), ``"cuda:N"``, ``"mps"``, an int, or a ``torch.device``.
+        backend: ``"auto"`` (default: the parallel reader), ``"pread"``, or ``"mmap"``
+            (zero-copy private mappings, as safetensors' default).
+        threads, chunk_bytes: tuning of the parallel reader.
+    """
+
+    def __init__(
+        self,
+        filename: Any,
+        framework: str,
+        device: Any = "cpu",
+        *,
+        backend: str = DEFAULT_BACKEND,
+        threads: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+    ) -> None:
+        if isinstance(filename, bytes) or not isinstance(filename, (str, os.PathLike)):
+            raise TypeError(
+                f"argument 'filename': expected str or os.PathLike, got {type(filename).__name__}"
+            )
+        self._framework = _framework(framework)
+        device_name = _device.parse(device)
+        if not isinstance(backend, str):
+            raise TypeError(f"argument 'backend': {type(backend).__name__!r} object is not a str")
+        self._handle = Handle(os.fspath(filename), backend, threads=threads, chunk_bytes=chunk_bytes)
+        if device_name != "cpu" and self._framework not in ("pytorch", "paddle"):
+            self._handle.close()
+            raise SafetensorError(
+                f"Device {device_name} is not supported for framework {self._framework}"
+            )
+        self._device: Any = None
+        if device_name != "cpu" and self._framework == "pytorch":
+            self._device = _device.torch_device(device_name)
+        self._convert = CONVERTERS[self._framework]
+
+    # -- handle ---------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """The backend reading this file ("pread" or "mmap")."""
+        return self._handle.backend
+
+    def __enter__(self) -> "safe_open":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.close()
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def keys(self) -> List[str]:
+        """Tensor names, sorted."""
+        return self._handle.keys()
+
+    def offset_keys(self) -> List[str]:
+        """Tensor names in file (offset) order."""
+        return self._handle.offset_keys()
+
+    def metadata(self) -> Optional[Dict[str, str]]:
+        """The header's ``__metadata__``, or None."""
+        return self._handle.metadata()
+
+    # -- tensors --------------------------------------------------------------------------
+
+    def _tensor(self, name: str, code: str, shape: List[int], data: Any) -> Any:
+        tensor = self._convert(code, shape, data, name)
+        if self._device is not None:
+            tensor = tensor.to(self._device)
+        return tensor
+
+    def get_tensor(self, name: str) -> Any:
+        """Reads one tensor into memory it owns."""
+        name, code, shape, data = self._handle.read(name)
+        return self._tensor(name, code, shape, data)
+
+    def get_tensors(self) -> Dict[str, Any]:
+        """Reads every tensor at once with the parallel reader; dict in file order."""
+        return {name: self._tensor(name, code, shape, data) for name, code, shape, data in self._handle.read_many()}
+
+    def get_slice(self, name: str) -> "SafeSlice":
+        """A lazy view of a tensor; index it to read only the bytes needed."""
+        code, shape = self._handle.info(name)
+        return SafeSlice(self, name, code, shape)
+
+
+class _safe_open_handle(safe_open):
+    """``safe_open`` over an already open file object (uses its ``name``)."""
+
+    def __init__(self, f: Any, framework: str, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> None:
+        f.fileno  # noqa: B018 - 0.8 requires a real file object
+        super().__init__(f.name, framework, device, backend=backend)
+
+
+def _expand(key: Any, ndim: int) -> List[Any]:
+    """Normalises a ``[...]`` key to one entry per leading dimension (ints and 3-tuples)."""
+    if isinstance(key, list):
+        if key:
+            raise SafetensorError("Non empty lists are not implemented")
+        key = slice(0, 0)
+    items = list(key) if isinstance(key, tuple) else [key]
+    if sum(1 for k in items if k is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        fill = max(ndim - (len(items) - 1), 0)
+        items[at : at + 1] = [slice(None)] * fill
+    out: List[Any] = []
+    for k in items:
+        if isinstance(k, slice):
+            conv = [None if v is None else operator.index(v) for v in (k.start, k.stop, k.step)]
+            out.append(tuple(conv))
+        elif k is None:
+            raise TypeError("None (newaxis) is not supported in safetensors slices")
+        else:
+            try:
+                out.append(operator.index(k))
+            except TypeError:
+                raise TypeError(
+                    f"slice index must be an int, a slice or '...', not {type(k).__name__}"
+                ) from None
+    return out
+
+
+class SafeSlice:
+    """What ``get_slice`` returns: shape and dtype without reading, and ``[...]`` indexing."""
+
+    def __init__(self, owner: safe_open, name: str, code: str, shape: List[int]) -> None:
+        self._owner = owner
+        self._name = name
+        self._code = code
+        self._shape = shape
+
+    def get_shape(self) -> List[int]:
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        return self._code
+
+    def __getitem__(self, key: Any) -> Any:
+        indices = _expand(key, len(self._shape))
+        code, shape, data = self._owner._handle.read_slice(self._name, indices)
+        return self._owner._tensor(self._name, code, shape, data)
+
+    def __repr__(self) -> str:
+        return f"SafeSlice(name={self._name!r}, dtype={self._code}, shape={self._shape})"

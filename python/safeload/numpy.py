@@ -1,0 +1,71 @@
+"""``safeload.numpy``: safetensors 0.8's ``safetensors.numpy``, on safeload's reader."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List, Optional, Union
+
+import numpy as np
+
+from ._frameworks import to_numpy
+from ._open import DEFAULT_BACKEND, safe_open
+from ._safeload import TensorSpec, deserialize, serialize, serialize_file
+
+__all__ = ["load", "load_file", "save", "save_file"]
+
+
+def _is_little_endian(tensor: np.ndarray) -> bool:
+    order = tensor.dtype.byteorder
+    if order == "=":
+        return sys.byteorder == "little"
+    if order in ("|", "<"):
+        return True
+    if order == ">":
+        return False
+    raise ValueError(f"Unexpected byte order {order}")
+
+
+def _flatten(tensor_dict: Dict[str, np.ndarray], keep_alive: List[Any]) -> Dict[str, TensorSpec]:
+    specs = {}
+    for name, array in tensor_dict.items():
+        if not _is_little_endian(array):
+            array = array.byteswap(inplace=False)
+        array = np.ascontiguousarray(array)
+        keep_alive.append(array)
+        specs[name] = TensorSpec(
+            dtype=array.dtype.name,
+            shape=array.shape,
+            data_ptr=array.ctypes.data,
+            data_len=array.nbytes,
+        )
+    return specs
+
+
+def save(tensor_dict: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """The bytes of a safetensors file holding ``tensor_dict``."""
+    keep_alive: List[Any] = []
+    return bytes(serialize(_flatten(tensor_dict, keep_alive), metadata=metadata))
+
+
+def save_file(
+    tensor_dict: Dict[str, np.ndarray],
+    filename: Union[str, "os.PathLike[str]"],
+    metadata: Optional[Dict[str, str]] = None,
+    *,
+    fsync: bool = False,
+) -> None:
+    """Writes ``tensor_dict`` to ``filename`` atomically (temporary file + rename)."""
+    keep_alive: List[Any] = []
+    serialize_file(_flatten(tensor_dict, keep_alive), filename, metadata=metadata, fsync=fsync)
+
+
+def load(data: bytes) -> Dict[str, np.ndarray]:
+    """Loads arrays from the bytes of a whole file."""
+    return {name: to_numpy(v["dtype"], v["shape"], v["data"], name) for name, v in deserialize(data)}
+
+
+def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: str = DEFAULT_BACKEND) -> Dict[str, np.ndarray]:
+    """Loads every array of ``filename`` (in parallel, into memory each array owns)."""
+    with safe_open(filename, framework="np", backend=backend) as f:
+        return f.get_tensors()

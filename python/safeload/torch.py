@@ -1,0 +1,300 @@
+"""``safeload.torch``: safetensors 0.8's ``safetensors.torch``, on safeload's reader."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+
+import torch
+
+from . import _checkpoint
+from ._frameworks import torch_dtype
+from ._open import DEFAULT_BACKEND, safe_open
+from ._safeload import TensorSpec, deserialize, serialize, serialize_file
+
+__all__ = [
+    "load",
+    "load_file",
+    "load_checkpoint",
+    "iter_checkpoint",
+    "load_model",
+    "save",
+    "save_file",
+    "save_model",
+    "storage_ptr",
+    "storage_size",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Element sizes of every torch dtype the format has (fp8/fp4 need torch >= 2.1 / 2.8).
+_SIZE: Dict[Any, int] = {}
+_TYPES: Dict[str, Any] = {}
+for _code in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C64",
+              "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0", "F4", "U64", "U32", "U16"):
+    try:
+        _dtype = torch_dtype(_code)
+    except Exception:
+        continue
+    _TYPES[_code] = _dtype
+    _SIZE[_dtype] = _dtype.itemsize
+del _code
+
+
+def _getdtype(dtype_str: str) -> Any:
+    return _TYPES[dtype_str]
+
+
+# -- storage helpers (names and behaviour of safetensors.torch) ------------------------------
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Address of the storage under ``tensor`` (0 for meta tensors)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:
+        try:
+            return tensor.storage().data_ptr()
+        except NotImplementedError:
+            return 0
+
+
+def storage_size(tensor: torch.Tensor) -> int:
+    """Bytes of the storage under ``tensor``."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except AttributeError:
+        try:
+            return tensor.storage().size() * _SIZE[tensor.dtype]
+        except NotImplementedError:
+            return tensor.nelement() * _SIZE[tensor.dtype]
+
+
+def _end_ptr(tensor: torch.Tensor) -> int:
+    if tensor.nelement():
+        return tensor.view(-1)[-1].data_ptr() + _SIZE[tensor.dtype]
+    return tensor.data_ptr()
+
+
+def _filter_shared_not_shared(tensors: List[Set[str]], state_dict: Dict[str, torch.Tensor]) -> List[Set[str]]:
+    """Splits groups sharing a storage into groups whose byte ranges actually overlap."""
+    result: List[Set[str]] = []
+    for group in tensors:
+        if len(group) < 2:
+            result.append(group)
+            continue
+        areas = sorted((state_dict[n].data_ptr(), _end_ptr(state_dict[n]), n) for n in group)
+        _, last_stop, first = areas[0]
+        result.append({first})
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                result.append({name})
+            else:
+                result[-1].add(name)
+            last_stop = stop
+    return result
+
+
+def _find_shared_tensors(state_dict: Dict[str, torch.Tensor]) -> List[Set[str]]:
+    """Groups of names whose tensors overlap in memory."""
+    groups: Dict[Tuple[Any, int, int], Set[str]] = defaultdict(set)
+    for name, tensor in state_dict.items():
+        if tensor.device != torch.device("meta") and storage_ptr(tensor) != 0 and storage_size(tensor) != 0:
+            groups[(tensor.device, storage_ptr(tensor), storage_size(tensor))].add(name)
+    return _filter_shared_not_shared(list(sorted(groups.values())), state_dict)
+
+
+def _is_complete(tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() == storage_ptr(tensor) and tensor.nelement() * _SIZE[tensor.dtype] == storage_size(tensor)
+
+
+def _remove_duplicate_names(
+    state_dict: Dict[str, torch.Tensor],
+    *,
+    preferred_names: Optional[Iterable[str]] = None,
+    discard_names: Optional[Iterable[str]] = None,
+) -> Dict[str, List[str]]:
+    """For each group of shared tensors, the name to keep -> the names to drop."""
+    preferred = set(preferred_names or [])
+    discard = set(discard_names or [])
+    to_remove: Dict[str, List[str]] = defaultdict(list)
+    for shared in _find_shared_tensors(state_dict):
+        complete = {n for n in shared if _is_complete(state_dict[n])}
+        if not complete:
+            raise RuntimeError(
+                "Error while trying to find names to remove to save state dict, but found no suitable name to keep"
+                f" for saving amongst: {shared}. None is covering the entire storage.Refusing to save/load the model"
+                " since you could be storing much more memory than needed. Please refer to"
+                " https://huggingface.co/docs/safetensors/torch_shared_tensors for more information. Or open an"
+                " issue."
+            )
+        keep = sorted(complete)[0]
+        kept_not_discarded = complete - discard
+        if kept_not_discarded:
+            keep = sorted(kept_not_discarded)[0]
+        if preferred and preferred & complete:
+            keep = sorted(preferred & complete)[0]
+        for name in sorted(shared):
+            if name != keep:
+                to_remove[keep].append(name)
+    return to_remove
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def _evaluate_tensors_for_save(tensors: Dict[str, torch.Tensor]) -> None:
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    sparse = []
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received {type(tensor)}")
+        if tensor.layout != torch.strided:
+            sparse.append(name)
+    if sparse:
+        raise ValueError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not support."
+            " You can make it a dense tensor before saving with `.to_dense()` but be aware this might"
+            " make a much larger file than needed."
+        )
+    failing = [names for names in _find_shared_tensors(tensors) if len(names) > 1]
+    if failing:
+        raise RuntimeError(
+            f"""
+            Some tensors share memory, this will lead to duplicate memory on disk and potential differences when loading them again: {failing}.
+            A potential way to correctly save your model is to use `save_model`.
+            More information at https://huggingface.co/docs/safetensors/torch_shared_tensors
+            """
+        )
+
+
+def _flatten_as_ptr(tensors: Dict[str, torch.Tensor], keep_alive: List[Any]) -> Dict[str, TensorSpec]:
+    """TensorSpecs pointing at each tensor's CPU bytes; ``keep_alive`` holds what they point at."""
+    _evaluate_tensors_for_save(tensors)
+    specs = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. It either means you"
+                " are trying to save tensors which are reference of each other in which case it's recommended to save"
+                " only the full tensors, and reslice at load time, or simply call `.contiguous()` on your tensor to"
+                " pack it before saving."
+            )
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        keep_alive.append(tensor)
+        nbytes = tensor.nelement() * _SIZE[tensor.dtype]
+        specs[name] = TensorSpec(
+            dtype=str(tensor.dtype).split(".")[-1],
+            shape=tensor.shape,
+            data_ptr=tensor.data_ptr() if nbytes else 0,
+            data_len=nbytes,
+        )
+    return specs
+
+
+def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """The bytes of a safetensors file holding ``tensors``."""
+    keep_alive: List[Any] = []
+    return bytes(serialize(_flatten_as_ptr(tensors, keep_alive), metadata=metadata))
+
+
+def save_file(
+    tensors: Dict[str, torch.Tensor],
+    filename: PathLike,
+    metadata: Optional[Dict[str, str]] = None,
+    *,
+    fsync: bool = False,
+) -> None:
+    """Writes ``tensors`` to ``filename`` atomically (temporary file + rename)."""
+    keep_alive: List[Any] = []
+    serialize_file(_flatten_as_ptr(tensors, keep_alive), filename, metadata=metadata, fsync=fsync)
+
+
+def save_model(
+    model: torch.nn.Module,
+    filename: str,
+    metadata: Optional[Dict[str, str]] = None,
+    force_contiguous: bool = True,
+) -> None:
+    """Saves ``model``'s state dict, dropping names that share memory (recorded in metadata)."""
+    state_dict = model.state_dict()
+    for kept, dropped in _remove_duplicate_names(state_dict).items():
+        for name in dropped:
+            if metadata is None:
+                metadata = {}
+            metadata.setdefault(name, kept)
+            del state_dict[name]
+    if force_contiguous:
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    try:
+        save_file(state_dict, filename, metadata=metadata)
+    except ValueError as e:
+        raise ValueError(
+            str(e) + " Or use save_model(..., force_contiguous=True), read the docs for potential caveats."
+        )
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> Dict[str, torch.Tensor]:
+    """Loads every tensor of ``filename`` (in parallel, into memory each tensor owns)."""
+    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+        return f.get_tensors()
+
+
+def load(data: bytes) -> Dict[str, torch.Tensor]:
+    """Loads tensors from the bytes of a whole file."""
+    return _view2torch(deserialize(data))
+
+
+def _view2torch(safeview: Any) -> Dict[str, torch.Tensor]:
+    from ._frameworks import to_torch
+
+    return {name: to_torch(v["dtype"], v["shape"], v["data"], name) for name, v in safeview}
+
+
+def load_model(
+    model: torch.nn.Module,
+    filename: PathLike,
+    strict: bool = True,
+    device: Any = "cpu",
+    *,
+    backend: str = DEFAULT_BACKEND,
+) -> Tuple[List[str], List[str]]:
+    """Loads ``filename`` into ``model``, handling names that share memory in the model."""
+    state_dict = load_file(filename, device=device, backend=backend)
+    model_state_dict = model.state_dict()
+    to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
+    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing_list)
+    for group in to_removes.values():
+        for name in group:
+            if name not in missing:
+                unexpected.append(name)
+            else:
+                missing.remove(name)
+    if strict and (missing or unexpected):
+        missing_keys = ", ".join(f'"{k}"' for k in sorted(missing))
+        unexpected_keys = ", ".join(f'"{k}"' for k in sorted(unexpected))
+        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            error += f"\n    Missing key(s) in state_dict: {missing_keys}"
+        if unexpected:
+            error += f"\n    Unexpected key(s) in state_dict: {unexpected_keys}"
+        raise RuntimeError(error)
+    return missing, unexpected  # type: ignore[return-value]
+
+
+def load_checkpoint(path_or_paths: Any, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND, **kwargs: Any) -> Dict[str, torch.Tensor]:
+    """Loads a whole checkpoint: a file, a list of shards, a directory, or an index.json.
+    See :func:`safeload._checkpoint.load_checkpoint`."""
+    return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, backend=backend, **kwargs)
+
+
+def iter_checkpoint(path_or_paths: Any, device: Any = "cpu", **kwargs: Any) -> Iterable[Tuple[str, torch.Tensor]]:
+    """Streams ``(name, tensor)`` in file order with bounded memory. See ``_checkpoint``."""
+    return _checkpoint.iter_checkpoint(path_or_paths, "pt", device=device, **kwargs)

@@ -1,0 +1,266 @@
+//! Destination memory: aligned, huge-page backed allocations, carved into per-tensor byte ranges
+//! that keep their allocation alive. Most of the crate's `unsafe` lives here.
+
+use std::alloc::{Layout, alloc, dealloc};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Alignment of every tensor start (cache line; what vectorised kernels expect).
+pub const TENSOR_ALIGN: usize = 64;
+/// Tensors at least this large get an allocation of their own.
+pub const OWN_ALLOCATION_BYTES: usize = 1 << 20;
+/// Allocations at least this large are 2 MiB aligned and advised to use transparent huge pages.
+pub const HUGE_PAGE: usize = 2 << 20;
+/// Small tensors are packed into arenas of at most this size.
+pub const ARENA_BYTES: usize = 8 << 20;
+
+/// An owned allocation that Rust never reads before a reader has filled it.
+pub enum Storage {
+    /// Anonymous memory: from the allocator (small) or an aligned, huge-page advised map (large).
+    Heap {
+        ptr: NonNull<u8>,
+        len: usize,
+        mapped: bool,
+    },
+    /// A private (copy-on-write) map of a file, for the mmap backend.
+    Map(memmap2::MmapMut),
+}
+
+// SAFETY: the storage is plain memory; concurrent writers only touch disjoint ranges (enforced by
+// the read plan), and Python readers only see a range after its reader finished.
+unsafe impl Send for Storage {}
+// SAFETY: as above.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    /// Uninitialised memory of `len` bytes, 64-byte aligned (2 MiB and huge pages when large).
+    pub fn alloc(len: usize) -> std::io::Result<Storage> {
+        if len >= HUGE_PAGE {
+            return Self::alloc_mapped(len);
+        }
+        let layout = Layout::from_size_align(len.max(1), TENSOR_ALIGN)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = NonNull::new(unsafe { alloc(layout) }).ok_or_else(oom)?;
+        Ok(Storage::Heap {
+            ptr,
+            len,
+            mapped: false,
+        })
+    }
+
+    fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
+        let kept = len.next_multiple_of(page_size());
+        let padded = kept.checked_add(HUGE_PAGE).ok_or_else(oom)?;
+        // SAFETY: anonymous private mapping, no file; the result is checked below.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                padded,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let start = raw as usize;
+        let aligned = start.next_multiple_of(HUGE_PAGE);
+        let head = aligned - start;
+        let tail = padded - head - kept;
+        // Give back the unaligned head and the tail; both are whole pages.
+        // SAFETY: both ranges lie inside the mapping just made and outside [aligned, aligned+kept).
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap((aligned + kept) as *mut libc::c_void, tail);
+            }
+            libc::madvise(aligned as *mut libc::c_void, kept, libc::MADV_HUGEPAGE);
+        }
+        let ptr = NonNull::new(aligned as *mut u8).ok_or_else(oom)?;
+        Ok(Storage::Heap {
+            ptr,
+            len,
+            mapped: true,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Heap { len, .. } => *len,
+            Storage::Map(m) => m.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn base(&self) -> *mut u8 {
+        match self {
+            Storage::Heap { ptr, .. } => ptr.as_ptr(),
+            Storage::Map(m) => m.as_ptr() as *mut u8,
+        }
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::Heap { ptr, len, mapped } = *self {
+            if mapped {
+                // SAFETY: [ptr, ptr+len) rounded to pages is what alloc_mapped kept mapped.
+                unsafe {
+                    libc::munmap(
+                        ptr.as_ptr() as *mut libc::c_void,
+                        len.next_multiple_of(page_size()),
+                    )
+                };
+            } else {
+                let layout =
+                    Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
+                // SAFETY: allocated in `alloc` with this layout.
+                unsafe { dealloc(ptr.as_ptr(), layout) };
+            }
+        }
+    }
+}
+
+fn oom() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::OutOfMemory, "out of memory")
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as usize } else { 4096 }
+}
+
+/// The bytes of one tensor: a range of a shared [`Storage`] that keeps it alive.
+#[derive(Clone)]
+pub struct TensorBytes {
+    storage: Option<Arc<Storage>>,
+    offset: usize,
+    len: usize,
+}
+
+impl TensorBytes {
+    pub fn empty() -> Self {
+        TensorBytes {
+            storage: None,
+            offset: 0,
+            len: 0,
+        }
+    }
+
+    pub fn new(storage: Arc<Storage>, offset: usize, len: usize) -> Self {
+        assert!(
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= storage.len())
+        );
+        TensorBytes {
+            storage: Some(storage),
+            offset,
+            len,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start of the range; writable (every storage is private to this process).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        match &self.storage {
+            // SAFETY: offset <= storage.len() (checked in `new`).
+            Some(s) => unsafe { s.base().add(self.offset) },
+            None => NonNull::<u8>::dangling().as_ptr(),
+        }
+    }
+
+    /// Reads the bytes. Only valid once a reader has filled them.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range is in bounds and, by the contract above, initialised.
+        unsafe { std::slice::from_raw_parts(self.as_mut_ptr(), self.len) }
+    }
+}
+
+/// Gives each requested size a 64-byte aligned home: large sizes their own allocation, small ones
+/// packed into shared arenas.
+pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<TensorBytes>> {
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut pending: Vec<(usize, usize)> = Vec::new(); // (index in out, offset in arena)
+    let mut arena_len = 0usize;
+    let flush =
+        |out: &mut Vec<TensorBytes>, pending: &mut Vec<(usize, usize)>, arena_len: &mut usize| {
+            if pending.is_empty() {
+                return Ok::<(), std::io::Error>(());
+            }
+            let storage = Arc::new(Storage::alloc(*arena_len)?);
+            for &(i, offset) in pending.iter() {
+                out[i] = TensorBytes::new(storage.clone(), offset, sizes[i]);
+            }
+            pending.clear();
+            *arena_len = 0;
+            Ok(())
+        };
+    for (i, &len) in sizes.iter().enumerate() {
+        out.push(TensorBytes::empty());
+        if len == 0 {
+            continue;
+        }
+        if len >= OWN_ALLOCATION_BYTES {
+            out[i] = TensorBytes::new(Arc::new(Storage::alloc(len)?), 0, len);
+            continue;
+        }
+        let offset = arena_len.next_multiple_of(TENSOR_ALIGN);
+        if offset + len > ARENA_BYTES {
+            flush(&mut out, &mut pending, &mut arena_len)?;
+            pending.push((i, 0));
+            arena_len = len;
+        } else {
+            pending.push((i, offset));
+            arena_len = offset + len;
+        }
+    }
+    flush(&mut out, &mut pending, &mut arena_len)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_and_disjointness() {
+        let sizes = [3, 0, 100, OWN_ALLOCATION_BYTES, 5 * HUGE_PAGE + 7, 64, 1];
+        let bufs = allocate(&sizes).unwrap();
+        let mut ranges = Vec::new();
+        for (b, &len) in bufs.iter().zip(&sizes) {
+            assert_eq!(b.len(), len);
+            if len > 0 {
+                assert_eq!(b.as_mut_ptr() as usize % TENSOR_ALIGN, 0);
+                ranges.push((b.as_mut_ptr() as usize, b.as_mut_ptr() as usize + len));
+            }
+            if len >= HUGE_PAGE {
+                assert_eq!(b.as_mut_ptr() as usize % HUGE_PAGE, 0);
+            }
+            // Every byte writable.
+            for k in 0..len {
+                unsafe { *b.as_mut_ptr().add(k) = k as u8 };
+            }
+        }
+        ranges.sort();
+        for w in ranges.windows(2) {
+            assert!(w[0].1 <= w[1].0);
+        }
+    }
+}

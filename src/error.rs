@@ -1,0 +1,98 @@
+//! The one error type of the core. Messages keep safetensors 0.8's wording for the same mistake
+//! and add the file, the tensor and the offset where 0.8 leaves them out.
+//! The Python binding turns it into exceptions in exactly one place (`py::errors`).
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::header::HeaderError;
+
+#[derive(Debug)]
+pub enum Error {
+    /// The file could not be opened (missing, no permission, ...).
+    Open { path: PathBuf, source: io::Error },
+    /// Reading bytes failed or came up short.
+    Read {
+        path: PathBuf,
+        tensor: String,
+        offset: u64,
+        source: io::Error,
+    },
+    /// Writing a file failed; nothing was left at the destination.
+    Write { path: PathBuf, source: io::Error },
+    /// The header breaks a rule of the format.
+    Header {
+        path: Option<PathBuf>,
+        reason: HeaderError,
+    },
+    /// `get_tensor` / `get_slice` of a name the file does not have.
+    TensorNotFound { name: String },
+    /// A slice that cannot be taken; the message is complete (0.8's wording).
+    Slice(String),
+    /// Input to a writer that the format cannot hold.
+    Serialize(String),
+    /// The caller asked to stop (Ctrl-C) while reading.
+    Cancelled,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn header(path: Option<&Path>, reason: HeaderError) -> Self {
+        Error::Header {
+            path: path.map(Path::to_path_buf),
+            reason,
+        }
+    }
+
+    /// The OS error behind this one, for mapping to `FileNotFoundError`/`PermissionError`.
+    pub fn io_kind(&self) -> Option<io::ErrorKind> {
+        match self {
+            Error::Open { source, .. } | Error::Write { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Open { path, source } if source.kind() == io::ErrorKind::NotFound => {
+                write!(f, "No such file or directory: {}", path.display())
+            }
+            Error::Open { path, source } => {
+                write!(f, "Could not open {}: {source}", path.display())
+            }
+            Error::Read {
+                path,
+                tensor,
+                offset,
+                source,
+            } => write!(
+                f,
+                "pread failed for tensor {tensor}: {source} (file {}, offset {offset})",
+                path.display()
+            ),
+            Error::Write { path, source } => {
+                write!(
+                    f,
+                    "Error while serializing: I/O error: {source} (file {})",
+                    path.display()
+                )
+            }
+            Error::Header { path, reason } => {
+                write!(f, "Error while deserializing header: {reason}")?;
+                if let Some(path) = path {
+                    write!(f, " (file {})", path.display())?;
+                }
+                Ok(())
+            }
+            Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
+            Error::Slice(message) | Error::Serialize(message) => f.write_str(message),
+            Error::Cancelled => f.write_str("load cancelled"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}

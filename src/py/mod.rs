@@ -1,0 +1,28 @@
+//! The Python binding, `safeload._safeload`: a thin layer that converts arguments, releases the
+//! GIL around every read, and hands tensor bytes to Python as writable buffers. Framework
+//! adaptation (torch, numpy, ...) lives in `python/safeload/`.
+
+mod bytes;
+mod errors;
+mod handle;
+mod write;
+
+use pyo3::prelude::*;
+
+pub use errors::SafetensorError;
+
+#[pymodule]
+fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEFAULT_CHUNK_BYTES", crate::plan::DEFAULT_CHUNK_BYTES)?;
+    m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
+    m.add_class::<bytes::Bytes>()?;
+    m.add_class::<handle::Handle>()?;
+    m.add_class::<write::TensorSpec>()?;
+    m.add_function(wrap_pyfunction!(handle::read_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
+    m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
+    m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,202 @@
+//! Writing from Python: `TensorSpec`, `serialize`, `serialize_file`, and `deserialize`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
+
+use super::errors::{SafetensorError, to_py};
+use crate::dtype::Dtype;
+use crate::error::Error;
+use crate::serialize::{TensorIn, to_bytes, to_file};
+
+/// Framework dtype names (`torch`'s and `numpy`'s, which agree) to format codes.
+fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
+    Ok(match name {
+        "bool" => Dtype::BOOL,
+        "int8" => Dtype::I8,
+        "uint8" => Dtype::U8,
+        "int16" => Dtype::I16,
+        "uint16" => Dtype::U16,
+        "int32" => Dtype::I32,
+        "uint32" => Dtype::U32,
+        "int64" => Dtype::I64,
+        "uint64" => Dtype::U64,
+        "float16" => Dtype::F16,
+        "float32" => Dtype::F32,
+        "float64" => Dtype::F64,
+        "bfloat16" => Dtype::BF16,
+        "float8_e4m3fn" => Dtype::F8_E4M3,
+        "float8_e4m3fnuz" => Dtype::F8_E4M3FNUZ,
+        "float8_e5m2" => Dtype::F8_E5M2,
+        "float8_e5m2fnuz" => Dtype::F8_E5M2FNUZ,
+        "float8_e8m0fnu" => Dtype::F8_E8M0,
+        "float4_e2m1fn_x2" => Dtype::F4,
+        "complex64" => Dtype::C64,
+        other => {
+            if let Some(code) = Dtype::from_code(other) {
+                return Ok(code);
+            }
+            return Err(SafetensorError::new_err(format!(
+                "Unknown dtype {other:?}. Supported dtypes: bool, int8, uint8, int16, uint16, \
+                 int32, uint32, int64, uint64, float16, float32, float64, bfloat16, \
+                 float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float8_e8m0fnu, \
+                 float4_e2m1fn_x2, complex64"
+            )));
+        }
+    })
+}
+
+/// A tensor to write, given by address: the caller keeps the memory alive during the call.
+#[pyclass(frozen, module = "safeload._safeload")]
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_ptr: u64,
+    data_len: usize,
+}
+
+#[pymethods]
+impl TensorSpec {
+    #[new]
+    #[pyo3(signature = (*, dtype, shape, data_ptr, data_len))]
+    fn new(dtype: &str, mut shape: Vec<usize>, data_ptr: u64, data_len: usize) -> PyResult<Self> {
+        let dtype = parse_dtype_name(dtype)?;
+        // torch's float4_e2m1fn_x2 packs two values per element: the file counts values.
+        if dtype == Dtype::F4
+            && let Some(last) = shape.last_mut()
+        {
+            *last = last.checked_mul(2).ok_or_else(|| {
+                SafetensorError::new_err(format!("F4 last dimension {last} overflows when doubled"))
+            })?;
+        }
+        Ok(TensorSpec {
+            dtype,
+            shape,
+            data_ptr,
+            data_len,
+        })
+    }
+
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.code()
+    }
+
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.shape.clone()
+    }
+
+    #[getter]
+    fn data_ptr(&self) -> u64 {
+        self.data_ptr
+    }
+
+    #[getter]
+    fn data_len(&self) -> usize {
+        self.data_len
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorSpec(dtype='{}', shape={:?}, data_ptr={}, data_len={})",
+            self.dtype.code(),
+            self.shape,
+            self.data_ptr,
+            self.data_len
+        )
+    }
+}
+
+fn inputs<'a>(specs: &'a [(String, TensorSpec)]) -> PyResult<Vec<TensorIn<'a>>> {
+    specs
+        .iter()
+        .map(|(name, spec)| {
+            if name == "__metadata__" {
+                return Err(SafetensorError::new_err(
+                    "Error while serializing: a tensor cannot be named `__metadata__` (the header's metadata key)",
+                ));
+            }
+            let data: &[u8] = if spec.data_len == 0 {
+                &[]
+            } else {
+                // SAFETY: the caller (safeload.torch / safeload.numpy, or a user of TensorSpec)
+                // passes the address and length of live memory it keeps alive during the call,
+                // as safetensors' TensorSpec contract requires.
+                unsafe { std::slice::from_raw_parts(spec.data_ptr as usize as *const u8, spec.data_len) }
+            };
+            Ok(TensorIn { name, dtype: spec.dtype, shape: &spec.shape, data })
+        })
+        .collect()
+}
+
+fn collect(tensor_dict: HashMap<String, TensorSpec>) -> Vec<(String, TensorSpec)> {
+    tensor_dict.into_iter().collect()
+}
+
+fn metadata_vec(metadata: Option<HashMap<String, String>>) -> Option<Vec<(String, String)>> {
+    metadata.map(|m| m.into_iter().collect())
+}
+
+#[pyfunction]
+#[pyo3(signature = (tensor_dict, metadata=None))]
+pub fn serialize<'py>(
+    py: Python<'py>,
+    tensor_dict: HashMap<String, TensorSpec>,
+    metadata: Option<HashMap<String, String>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let specs = collect(tensor_dict);
+    let metadata = metadata_vec(metadata);
+    let mut tensors = inputs(&specs)?;
+    let bytes = py
+        .detach(|| to_bytes(&mut tensors, metadata.as_deref()))
+        .map_err(to_py)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+#[pyfunction]
+#[pyo3(signature = (tensor_dict, filename, metadata=None, *, fsync=false))]
+pub fn serialize_file(
+    py: Python<'_>,
+    tensor_dict: HashMap<String, TensorSpec>,
+    filename: PathBuf,
+    metadata: Option<HashMap<String, String>>,
+    fsync: bool,
+) -> PyResult<()> {
+    let specs = collect(tensor_dict);
+    let metadata = metadata_vec(metadata);
+    let mut tensors = inputs(&specs)?;
+    py.detach(|| to_file(&filename, &mut tensors, metadata.as_deref(), fsync))
+        .map_err(to_py)
+}
+
+/// Parses a whole file held in memory: [(name, {"dtype", "shape", "data"})] in file order.
+#[pyfunction]
+pub fn deserialize<'py>(
+    py: Python<'py>,
+    bytes: &[u8],
+) -> PyResult<Vec<(String, Bound<'py, PyDict>)>> {
+    let wrap = |reason| {
+        let e = Error::header(None, reason);
+        SafetensorError::new_err(
+            e.to_string()
+                .replacen("deserializing header", "deserializing", 1),
+        )
+    };
+    let n = crate::header::header_len(bytes, bytes.len() as u64).map_err(wrap)?;
+    let header =
+        crate::header::parse(&bytes[8..8 + n as usize], bytes.len() as u64).map_err(wrap)?;
+    let data = &bytes[header.data_start() as usize..];
+    let mut out = Vec::with_capacity(header.tensors.len());
+    for t in &header.tensors {
+        let d = PyDict::new(py);
+        d.set_item("dtype", t.dtype.code())?;
+        d.set_item("shape", t.shape.clone())?;
+        d.set_item("data", PyByteArray::new(py, &data[t.begin..t.end]))?;
+        out.push((t.name.clone(), d));
+    }
+    Ok(out)
+}

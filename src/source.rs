@@ -1,0 +1,267 @@
+//! An opened checkpoint file: its validated header, and the ways to get tensor bytes out of it
+//! (parallel pread into owned buffers, a private map, or the byte rows of a slice).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use crate::buffer::{self, Storage, TensorBytes};
+use crate::engine::{self, Input};
+use crate::error::{Error, Result};
+use crate::header::{self, Header, TensorInfo};
+use crate::plan::Plan;
+use crate::slice::SlicePlan;
+
+/// Tuning of a read.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadOptions {
+    pub threads: usize,
+    pub chunk_bytes: usize,
+}
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions {
+            threads: engine::default_threads(),
+            chunk_bytes: crate::plan::DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+pub struct Source {
+    pub path: PathBuf,
+    pub file: File,
+    pub file_len: u64,
+    pub header: Header,
+    map: OnceLock<Arc<Storage>>,
+}
+
+/// Slices with runs at least this long are read straight into the output; shorter runs are
+/// gathered from one read of the span around them.
+const DIRECT_RUN_BYTES: usize = 64 << 10;
+/// Small runs closer than this are read together.
+const GATHER_GAP_BYTES: usize = 16 << 10;
+
+impl Source {
+    /// Opens `path` and validates its header; nothing is allocated from header fields before that.
+    pub fn open(path: &Path) -> Result<Source> {
+        let open_err = |source| Error::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        if meta.is_dir() {
+            return Err(open_err(std::io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        let file_len = meta.len();
+        let header_err = |reason| Error::header(Some(path), reason);
+        let mut prefix = [0u8; 8];
+        let got = read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
+        let json_len = header::header_len(&prefix[..got], file_len).map_err(header_err)?;
+        let mut json = vec![0u8; json_len as usize];
+        let got = read_fully_at(&file, &mut json, 8).map_err(open_err)?;
+        if got < json.len() {
+            return Err(header_err(header::HeaderError::InvalidHeaderLength));
+        }
+        let header = header::parse(&json, file_len).map_err(header_err)?;
+        Ok(Source {
+            path: path.to_path_buf(),
+            file,
+            file_len,
+            header,
+            map: OnceLock::new(),
+        })
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
+        self.header.get(name).ok_or_else(|| Error::TensorNotFound {
+            name: name.to_string(),
+        })
+    }
+
+    fn input(&self) -> Input<'_> {
+        Input {
+            path: &self.path,
+            file: &self.file,
+        }
+    }
+
+    /// Bytes of a tensor as a view of a private (copy-on-write) map of the file: lazy, zero-copy.
+    /// Falls back to a copy when the tensor is not aligned to its element size in the file.
+    pub fn map_tensor(&self, info: &TensorInfo) -> Result<TensorBytes> {
+        if info.nbytes() == 0 {
+            return Ok(TensorBytes::empty());
+        }
+        let map = self.mapping()?;
+        let offset = (self.header.data_start() as usize) + info.begin;
+        let bytes = TensorBytes::new(map, offset, info.nbytes());
+        let align = (info.dtype.bits() / 8).clamp(1, 8);
+        if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
+            return Ok(bytes);
+        }
+        let copy = buffer::allocate(&[info.nbytes()]).map_err(|e| self.read_err(info, e))?;
+        let [out] = <[TensorBytes; 1]>::try_from(copy)
+            .ok()
+            .expect("one size, one buffer");
+        // SAFETY: both ranges are `nbytes` long and belong to different allocations.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_mut_ptr(), out.as_mut_ptr(), info.nbytes())
+        };
+        Ok(out)
+    }
+
+    fn mapping(&self) -> Result<Arc<Storage>> {
+        if let Some(map) = self.map.get() {
+            return Ok(map.clone());
+        }
+        // SAFETY: a private mapping; our writes never reach the file. Another process truncating
+        // the file under the map is the documented risk of the mmap backend (SIGBUS).
+        let map =
+            unsafe { memmap2::MmapOptions::new().map_copy(&self.file) }.map_err(|source| {
+                Error::Open {
+                    path: self.path.clone(),
+                    source,
+                }
+            })?;
+        Ok(self.map.get_or_init(|| Arc::new(Storage::Map(map))).clone())
+    }
+
+    fn read_err(&self, info: &TensorInfo, source: std::io::Error) -> Error {
+        Error::Read {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            offset: self.header.data_start() + info.begin as u64,
+            source,
+        }
+    }
+
+    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer.
+    pub fn read_slice(
+        &self,
+        info: &TensorInfo,
+        plan: &SlicePlan,
+        opts: &ReadOptions,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<TensorBytes> {
+        let out = buffer::allocate(&[plan.nbytes])
+            .map_err(|e| self.read_err(info, e))?
+            .pop()
+            .expect("one size, one buffer");
+        let base = self.header.data_start() + info.begin as u64;
+        let mut direct = Plan::new(opts.chunk_bytes);
+        // Small runs: (file offset, length, position in out), gathered by span below.
+        let mut small: Vec<(u64, usize, usize)> = Vec::new();
+        let mut pos = 0usize;
+        for row in &plan.rows {
+            for r in 0..row.count {
+                let at = base + (row.offset + r * row.stride_bytes) as u64;
+                if row.run_bytes >= DIRECT_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096) {
+                    // SAFETY: pos + run_bytes <= plan.nbytes == out.len().
+                    direct.add(
+                        0,
+                        at,
+                        unsafe { out.as_mut_ptr().add(pos) },
+                        row.run_bytes,
+                        &info.name,
+                    );
+                } else {
+                    small.push((at, row.run_bytes, pos));
+                }
+                pos += row.run_bytes;
+            }
+        }
+        engine::execute(&[self.input()], &direct, opts.threads, poll)?;
+        self.gather_small(info, &small, &out)?;
+        Ok(out)
+    }
+
+    fn gather_small(
+        &self,
+        info: &TensorInfo,
+        runs: &[(u64, usize, usize)],
+        out: &TensorBytes,
+    ) -> Result<()> {
+        let mut scratch = Vec::new();
+        let mut i = 0;
+        while i < runs.len() {
+            let start = runs[i].0;
+            let mut end_run = i;
+            let mut span_end = runs[i].0 + runs[i].1 as u64;
+            while end_run + 1 < runs.len() {
+                let (next_at, next_len, _) = runs[end_run + 1];
+                if next_at < span_end || next_at - span_end > GATHER_GAP_BYTES as u64 {
+                    break;
+                }
+                if next_at + next_len as u64 - start > (4 << 20) {
+                    break;
+                }
+                end_run += 1;
+                span_end = next_at + next_len as u64;
+            }
+            scratch.resize((span_end - start) as usize, 0);
+            let got = read_fully_at(&self.file, &mut scratch, start)
+                .map_err(|e| self.read_err(info, e))?;
+            if got < scratch.len() {
+                return Err(self.read_err(
+                    info,
+                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file ended early"),
+                ));
+            }
+            for &(at, len, pos) in &runs[i..=end_run] {
+                let from = (at - start) as usize;
+                // SAFETY: pos + len <= out.len() (slice plan), scratch range checked by slicing.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        scratch[from..from + len].as_ptr(),
+                        out.as_mut_ptr().add(pos),
+                        len,
+                    )
+                };
+            }
+            i = end_run + 1;
+        }
+        Ok(())
+    }
+}
+
+/// Reads tensors of one or more sources with one worker pool, in (source, offset) order.
+/// Returns buffers in the order of `wanted`.
+pub fn read_tensors(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<Vec<TensorBytes>> {
+    let sizes: Vec<usize> = wanted.iter().map(|(_, t)| t.nbytes()).collect();
+    let buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
+        Some((s, t)) => sources[*s].read_err(t, e),
+        None => Error::Cancelled,
+    })?;
+    let mut order: Vec<usize> = (0..wanted.len()).collect();
+    order.sort_by_key(|&i| (wanted[i].0, wanted[i].1.begin));
+    let mut plan = Plan::new(opts.chunk_bytes);
+    for i in order {
+        let (s, info) = wanted[i];
+        let at = sources[s].header.data_start() + info.begin as u64;
+        plan.add(s, at, buffers[i].as_mut_ptr(), info.nbytes(), &info.name);
+    }
+    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input()).collect();
+    engine::execute(&inputs, &plan, opts.threads, poll)?;
+    Ok(buffers)
+}
+
+/// `read_at` until `buf` is full or the file ends; returns bytes read.
+fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
