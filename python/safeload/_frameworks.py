@@ -7,7 +7,7 @@ storage that keeps its allocation alive. Other frameworks convert from numpy.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from ._safeload import SafetensorError
 
@@ -115,6 +115,37 @@ def to_torch(code: str, shape: Sequence[int], data: Any, name: str = "") -> Any:
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
+def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
+    """``to_torch`` over many tensors, with the common case (a plain dtype, non-empty) inlined:
+    for checkpoints of thousands of small tensors the per-tensor Python cost is what counts."""
+    import torch
+
+    frombuffer = torch.frombuffer
+    plain = _torch_plain
+    if not plain:
+        for code in _TORCH_NAMES:
+            if code != "F4" and hasattr(torch, _TORCH_NAMES[code]):
+                plain[code] = torch_dtype(code)
+    out = {}
+    for name, code, shape, data in items:
+        dtype = plain.get(code)
+        if dtype is None or not len(data):
+            out[name] = to_torch(code, shape, data, name)
+        elif len(shape) == 1:
+            out[name] = frombuffer(data, dtype=dtype)
+        else:
+            out[name] = frombuffer(data, dtype=dtype).view(shape)
+    return out
+
+
+def numpy_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
+    """``to_numpy`` over many arrays."""
+    return {name: to_numpy(code, shape, data, name) for name, code, shape, data in items}
+
+
+_torch_plain: Dict[str, Any] = {}
+
+
 def numpy_dtype(code: str, name: str = "") -> Any:
     try:
         return _numpy_dtypes[code]
@@ -161,6 +192,10 @@ def _from_numpy(module: str, convert: Callable[[Any, Any], Any]) -> Callable[...
     return adapter
 
 
+def _many(convert: Callable[..., Any]) -> Callable[..., Dict[str, Any]]:
+    return lambda items: {name: convert(code, shape, data, name) for name, code, shape, data in items}
+
+
 CONVERTERS: Dict[str, Callable[..., Any]] = {
     "pytorch": to_torch,
     "numpy": to_numpy,
@@ -168,4 +203,10 @@ CONVERTERS: Dict[str, Callable[..., Any]] = {
     "flax": _from_numpy("jax.numpy", lambda jnp, a: jnp.array(a)),
     "mlx": _from_numpy("mlx.core", lambda mx, a: mx.array(a)),
     "paddle": _from_numpy("paddle", lambda paddle, a: paddle.to_tensor(a)),
+}
+
+#: Batch converters: a list of (name, code, shape, bytes) -> dict name -> tensor.
+MANY: Dict[str, Callable[..., Dict[str, Any]]] = {
+    name: {"pytorch": torch_many, "numpy": numpy_many}.get(name) or _many(convert)
+    for name, convert in CONVERTERS.items()
 }

@@ -7,7 +7,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device
-from ._frameworks import CONVERTERS, FRAMEWORKS
+from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 
 DEFAULT_BACKEND = "auto"
@@ -106,7 +106,10 @@ class safe_open:
 
     def get_tensors(self) -> Dict[str, Any]:
         """Reads every tensor at once with the parallel reader; dict in file order."""
-        return {name: self._tensor(name, code, shape, data) for name, code, shape, data in self._handle.read_many()}
+        tensors = MANY[self._framework](self._handle.read_many())
+        if self._device is not None:
+            tensors = {name: t.to(self._device) for name, t in tensors.items()}
+        return tensors
 
     def get_slice(self, name: str) -> "SafeSlice":
         """A lazy view of a tensor; index it to read only the bytes needed."""
