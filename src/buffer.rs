@@ -49,7 +49,8 @@ impl Storage {
         })
     }
 
-    fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
+    /// Anonymous memory, 2 MiB aligned whatever its size (also what O_DIRECT needs).
+    pub fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
         let kept = len.next_multiple_of(page_size());
         let padded = kept.checked_add(HUGE_PAGE).ok_or_else(oom)?;
         // SAFETY: anonymous private mapping, no file; the result is checked below.
@@ -100,7 +101,8 @@ impl Storage {
         self.len() == 0
     }
 
-    fn base(&self) -> *mut u8 {
+    /// First byte; writable (anonymous and private maps only).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
         match self {
             Storage::Heap { ptr, .. } => ptr.as_ptr(),
             Storage::Map(m) => m.as_ptr() as *mut u8,
@@ -181,7 +183,7 @@ impl TensorBytes {
     pub fn as_mut_ptr(&self) -> *mut u8 {
         match &self.storage {
             // SAFETY: offset <= storage.len() (checked in `new`).
-            Some(s) => unsafe { s.base().add(self.offset) },
+            Some(s) => unsafe { s.as_mut_ptr().add(self.offset) },
             None => NonNull::<u8>::dangling().as_ptr(),
         }
     }

@@ -10,8 +10,9 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::buffer::Storage;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment};
 
@@ -19,11 +20,33 @@ use crate::plan::{Chunk, Plan, Segment};
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Below this many bytes a plan is read on the calling thread.
 const INLINE_BYTES: u64 = 4 << 20;
+/// Offset, length and address alignment of O_DIRECT requests (a page: safe for 512e/4Kn disks).
+pub const DIRECT_ALIGN: u64 = 4096;
 
 /// A file the plan reads from.
 pub struct Input<'a> {
     pub path: &'a Path,
     pub file: &'a File,
+    /// The same file opened with O_DIRECT, to read it around the page cache.
+    pub direct: Option<&'a File>,
+}
+
+/// How a plan is executed.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    pub threads: usize,
+    /// Each worker opens its own descriptor (network filesystems serialise reads on one fd).
+    pub own_fds: bool,
+}
+
+/// What a read did, for stats and for telling the user which path ran.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Report {
+    pub bytes: u64,
+    pub seconds: f64,
+    pub threads: usize,
+    /// O_DIRECT was refused (EINVAL) and buffered reads were used instead.
+    pub direct_refused: bool,
 }
 
 /// Worker count when the caller does not choose: one per core, at least 2, at most 8.
@@ -31,22 +54,147 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
 
+/// One worker's resources: its bounce buffer for O_DIRECT and its own descriptors.
+struct Worker<'a> {
+    inputs: &'a [Input<'a>],
+    own_fds: bool,
+    fds: Vec<Option<File>>,
+    bounce: Option<Storage>,
+    direct_refused: &'a AtomicBool,
+}
+
+impl<'a> Worker<'a> {
+    fn new(inputs: &'a [Input<'a>], own_fds: bool, direct_refused: &'a AtomicBool) -> Self {
+        Worker {
+            inputs,
+            own_fds,
+            fds: inputs.iter().map(|_| None).collect(),
+            bounce: None,
+            direct_refused,
+        }
+    }
+
+    fn buffered_file(&mut self, i: usize) -> &File {
+        let input = &self.inputs[i];
+        if !self.own_fds {
+            return input.file;
+        }
+        if self.fds[i].is_none() {
+            self.fds[i] = File::open(input.path).ok();
+        }
+        self.fds[i].as_ref().unwrap_or(input.file)
+    }
+
+    fn read(&mut self, plan: &Plan, chunk: &Chunk) -> Result<()> {
+        let input = &self.inputs[chunk.file];
+        let segments = &plan.segments[chunk.segments.clone()];
+        let mut result = Err((0, io::Error::from_raw_os_error(libc::EINVAL)));
+        if let Some(direct) = input.direct
+            && !self.direct_refused.load(Ordering::Relaxed)
+        {
+            result = self.read_direct(direct, chunk, segments);
+            if matches!(&result, Err((_, e)) if e.raw_os_error() == Some(libc::EINVAL)) {
+                self.direct_refused.store(true, Ordering::Relaxed);
+            }
+        }
+        if matches!(&result, Err((_, e)) if e.raw_os_error() == Some(libc::EINVAL)) {
+            result = preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments);
+        }
+        result.map_err(|(done, source)| Error::Read {
+            path: input.path.to_path_buf(),
+            tensor: plan.tensors[tensor_at(segments, done)].clone(),
+            offset: chunk.offset + done as u64,
+            source,
+        })
+    }
+
+    /// Reads the page-aligned span around the chunk with O_DIRECT into the worker's bounce
+    /// buffer, then copies each segment out.
+    fn read_direct(&mut self, direct: &File, chunk: &Chunk, segments: &[Segment]) -> IoResult {
+        let start = chunk.offset / DIRECT_ALIGN * DIRECT_ALIGN;
+        let end = (chunk.offset + chunk.len as u64).next_multiple_of(DIRECT_ALIGN);
+        let span = (end - start) as usize;
+        if self.bounce.as_ref().is_none_or(|b| b.len() < span) {
+            self.bounce = Some(Storage::alloc_mapped(span).map_err(|e| (0, e))?);
+        }
+        let bounce = self.bounce.as_ref().expect("allocated above").as_mut_ptr();
+        let need = (chunk.offset - start) as usize + chunk.len;
+        let mut got = 0usize;
+        while got < need {
+            // SAFETY: [bounce+got, bounce+span) is inside the worker's own allocation; got stays
+            // a multiple of DIRECT_ALIGN (checked below), as O_DIRECT requires.
+            let n = unsafe {
+                libc::pread(
+                    direct.as_raw_fd(),
+                    bounce.add(got).cast(),
+                    span - got,
+                    (start + got as u64) as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err((got.saturating_sub((chunk.offset - start) as usize), e));
+            }
+            if n == 0 {
+                return Err((
+                    got.saturating_sub((chunk.offset - start) as usize),
+                    eof(need - got),
+                ));
+            }
+            got += n as usize;
+            if got < need && !(got as u64).is_multiple_of(DIRECT_ALIGN) {
+                // An unaligned short read: finish this chunk buffered.
+                return Err((0, io::Error::from_raw_os_error(libc::EINVAL)));
+            }
+        }
+        let mut from = (chunk.offset - start) as usize;
+        for s in segments {
+            // SAFETY: `from + s.len <= need <= got` bytes of the bounce buffer were read; the
+            // destination is the segment's own, disjoint from every other chunk's.
+            unsafe { std::ptr::copy_nonoverlapping(bounce.add(from), s.dest, s.len) };
+            from += s.len;
+        }
+        Ok(())
+    }
+}
+
+type IoResult = std::result::Result<(), (usize, io::Error)>;
+
+fn eof(missing: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        format!("file ended early, {missing} bytes missing (truncated while reading?)"),
+    )
+}
+
 /// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
 pub fn execute(
     inputs: &[Input<'_>],
     plan: &Plan,
-    threads: usize,
+    settings: Settings,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<()> {
-    let threads = threads.max(1).min(plan.chunks.len().max(1));
+) -> Result<Report> {
+    let started = Instant::now();
+    let threads = settings.threads.max(1).min(plan.chunks.len().max(1));
+    let direct_refused = AtomicBool::new(false);
+    let report = |threads| Report {
+        bytes: plan.total_bytes(),
+        seconds: started.elapsed().as_secs_f64(),
+        threads,
+        direct_refused: direct_refused.load(Ordering::Relaxed),
+    };
     if threads == 1 || plan.total_bytes() < INLINE_BYTES {
+        let mut worker = Worker::new(inputs, false, &direct_refused);
         for chunk in &plan.chunks {
             if poll() {
                 return Err(Error::Cancelled);
             }
-            read_chunk(inputs, plan, chunk)?;
+            worker.read(plan, chunk)?;
         }
-        return Ok(());
+        return Ok(report(1));
     }
 
     let next = AtomicUsize::new(0);
@@ -58,12 +206,13 @@ pub fn execute(
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
+                let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused);
                 while !stop.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(chunk) = plan.chunks.get(i) else {
                         break;
                     };
-                    if let Err(e) = read_chunk(inputs, plan, chunk) {
+                    if let Err(e) = worker.read(plan, chunk) {
                         stop.store(true, Ordering::Relaxed);
                         failure
                             .lock()
@@ -96,21 +245,7 @@ pub fn execute(
     if cancelled {
         return Err(Error::Cancelled);
     }
-    Ok(())
-}
-
-fn read_chunk(inputs: &[Input<'_>], plan: &Plan, chunk: &Chunk) -> Result<()> {
-    let input = &inputs[chunk.file];
-    let segments = &plan.segments[chunk.segments.clone()];
-    preadv_exact(input.file, chunk.offset, segments).map_err(|(done, source)| {
-        let tensor = tensor_at(segments, done);
-        Error::Read {
-            path: input.path.to_path_buf(),
-            tensor: plan.tensors[tensor].clone(),
-            offset: chunk.offset + done as u64,
-            source,
-        }
-    })
+    Ok(report(threads))
 }
 
 /// The tensor whose bytes sit `pos` bytes into the chunk.
@@ -126,11 +261,7 @@ fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
 
 /// Fills every segment from `offset` on, retrying short reads and EINTR.
 /// On failure returns how many bytes were read before it.
-fn preadv_exact(
-    file: &File,
-    offset: u64,
-    segments: &[Segment],
-) -> std::result::Result<(), (usize, io::Error)> {
+fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
     let mut iov: Vec<libc::iovec> = segments
         .iter()
         .map(|s| libc::iovec {
@@ -156,13 +287,7 @@ fn preadv_exact(
         }
         if n == 0 {
             let missing: usize = iov[first..].iter().map(|v| v.iov_len).sum();
-            return Err((
-                done,
-                io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("file ended early, {missing} bytes missing (truncated while reading?)"),
-                ),
-            ));
+            return Err((done, eof(missing)));
         }
         let mut n = n as usize;
         done += n;
@@ -190,21 +315,35 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn temp_file(bytes: &[u8]) -> (std::path::PathBuf, File) {
-        let path = std::env::temp_dir().join(format!(
-            "safeload-engine-{}-{}",
-            std::process::id(),
-            bytes.len()
-        ));
+    fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, File) {
+        let path =
+            std::env::temp_dir().join(format!("safeload-engine-{}-{tag}", std::process::id()));
         File::create(&path).unwrap().write_all(bytes).unwrap();
         let file = File::open(&path).unwrap();
         (path, file)
     }
 
+    fn open_direct(path: &Path) -> Option<File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()
+    }
+
+    fn settings(threads: usize) -> Settings {
+        Settings {
+            threads,
+            own_fds: false,
+        }
+    }
+
     #[test]
-    fn reads_every_byte_with_threads_and_odd_sizes() {
+    fn reads_every_byte_with_threads_odd_sizes_and_direct_io() {
         let data: Vec<u8> = (0..20_000_003u32).map(|i| (i % 251) as u8).collect();
-        let (path, file) = temp_file(&data);
+        let (path, file) = temp_file(&data, "every");
+        let direct = open_direct(&path);
         let sizes = [
             1usize,
             7,
@@ -214,8 +353,13 @@ mod tests {
             0,
             20_000_003 - (1 + 7 + 4096 + (3 << 20) + 9_999_999),
         ];
-        let bufs = crate::buffer::allocate(&sizes).unwrap();
-        for threads in [1, 2, 5] {
+        for (threads, own_fds, use_direct) in [
+            (1, false, false),
+            (2, false, true),
+            (5, true, false),
+            (3, true, true),
+        ] {
+            let bufs = crate::buffer::allocate(&sizes).unwrap();
             let mut plan = Plan::new(1 << 20);
             let mut at = 0u64;
             for (b, &len) in bufs.iter().zip(&sizes) {
@@ -225,11 +369,18 @@ mod tests {
             let inputs = [Input {
                 path: &path,
                 file: &file,
+                direct: if use_direct { direct.as_ref() } else { None },
             }];
-            execute(&inputs, &plan, threads, &mut || false).unwrap();
+            let report =
+                execute(&inputs, &plan, Settings { threads, own_fds }, &mut || false).unwrap();
+            assert_eq!(report.bytes, data.len() as u64);
             let mut at = 0usize;
             for (b, &len) in bufs.iter().zip(&sizes) {
-                assert_eq!(b.as_slice(), &data[at..at + len]);
+                assert_eq!(
+                    b.as_slice(),
+                    &data[at..at + len],
+                    "threads {threads} direct {use_direct}"
+                );
                 at += len;
             }
         }
@@ -238,36 +389,41 @@ mod tests {
 
     #[test]
     fn short_file_names_tensor_and_offset() {
-        let (path, file) = temp_file(&[1u8; 100]);
-        let bufs = crate::buffer::allocate(&[50, 80]).unwrap();
-        let mut plan = Plan::new(1 << 20);
-        plan.add(0, 0, bufs[0].as_mut_ptr(), 50, "first");
-        plan.add(0, 50, bufs[1].as_mut_ptr(), 80, "second");
-        let inputs = [Input {
-            path: &path,
-            file: &file,
-        }];
-        let err = execute(&inputs, &plan, 1, &mut || false)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("tensor second") && err.contains("offset 100"),
-            "{err}"
-        );
+        let (path, file) = temp_file(&[1u8; 100], "short");
+        let direct = open_direct(&path);
+        for direct in [None, direct.as_ref()] {
+            let bufs = crate::buffer::allocate(&[50, 80]).unwrap();
+            let mut plan = Plan::new(1 << 20);
+            plan.add(0, 0, bufs[0].as_mut_ptr(), 50, "first");
+            plan.add(0, 50, bufs[1].as_mut_ptr(), 80, "second");
+            let inputs = [Input {
+                path: &path,
+                file: &file,
+                direct,
+            }];
+            let err = execute(&inputs, &plan, settings(1), &mut || false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("tensor second") && err.contains("offset 100"),
+                "{err}"
+            );
+        }
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn poll_cancels() {
-        let (path, file) = temp_file(&[0u8; 64 << 10]);
+        let (path, file) = temp_file(&[0u8; 64 << 10], "cancel");
         let bufs = crate::buffer::allocate(&[64 << 10]).unwrap();
         let mut plan = Plan::new(4096);
         plan.add(0, 0, bufs[0].as_mut_ptr(), 64 << 10, "t");
         let inputs = [Input {
             path: &path,
             file: &file,
+            direct: None,
         }];
-        let err = execute(&inputs, &plan, 1, &mut || true).unwrap_err();
+        let err = execute(&inputs, &plan, settings(1), &mut || true).unwrap_err();
         assert!(matches!(err, Error::Cancelled));
         std::fs::remove_file(path).unwrap();
     }

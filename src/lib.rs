@@ -14,6 +14,7 @@ pub mod plan;
 pub mod serialize;
 pub mod slice;
 pub mod source;
+pub mod storage;
 
 #[cfg(feature = "python")]
 mod py;

@@ -7,24 +7,29 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use crate::buffer::{self, Storage, TensorBytes};
-use crate::engine::{self, Input};
+use crate::engine::{self, Input, Report, Settings};
 use crate::error::{Error, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::plan::Plan;
 use crate::slice::SlicePlan;
+use crate::storage::{self, Backend, FsKind, Strategy};
 
 /// Tuning of a read.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadOptions {
-    pub threads: usize,
+    /// Workers; None picks from the cores and the filesystem.
+    pub threads: Option<usize>,
     pub chunk_bytes: usize,
+    /// Drop the files' pages from the page cache after reading (load-once hygiene).
+    pub drop_cache: bool,
 }
 
 impl Default for ReadOptions {
     fn default() -> Self {
         ReadOptions {
-            threads: engine::default_threads(),
+            threads: None,
             chunk_bytes: crate::plan::DEFAULT_CHUNK_BYTES,
+            drop_cache: false,
         }
     }
 }
@@ -34,7 +39,9 @@ pub struct Source {
     pub file: File,
     pub file_len: u64,
     pub header: Header,
+    pub kind: FsKind,
     map: OnceLock<Arc<Storage>>,
+    direct: OnceLock<Option<File>>,
 }
 
 /// Slices with runs at least this long are read straight into the output; shorter runs are
@@ -68,11 +75,45 @@ impl Source {
         let header = header::parse(&json, file_len).map_err(header_err)?;
         Ok(Source {
             path: path.to_path_buf(),
+            kind: FsKind::of(&file),
             file,
             file_len,
             header,
             map: OnceLock::new(),
+            direct: OnceLock::new(),
         })
+    }
+
+    /// The strategy a backend request means for this file ("auto" looks at the filesystem and
+    /// at how much of the data is in the page cache).
+    pub fn resolve(&self, backend: Backend) -> Strategy {
+        match backend {
+            Backend::Mmap => Strategy::Mmap,
+            Backend::Pread => Strategy::Pread,
+            Backend::Direct => Strategy::Direct,
+            Backend::Auto => {
+                let cached = storage::cached_fraction(
+                    &self.file,
+                    self.header.data_start(),
+                    self.header.data_len(),
+                );
+                storage::choose(self.kind, cached)
+            }
+        }
+    }
+
+    /// The file opened with O_DIRECT, or None where the filesystem refuses it.
+    fn direct_file(&self) -> Option<&File> {
+        self.direct
+            .get_or_init(|| {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&self.path)
+                    .ok()
+            })
+            .as_ref()
     }
 
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
@@ -81,10 +122,15 @@ impl Source {
         })
     }
 
-    fn input(&self) -> Input<'_> {
+    fn input(&self, strategy: Strategy) -> Input<'_> {
         Input {
             path: &self.path,
             file: &self.file,
+            direct: if strategy == Strategy::Direct {
+                self.direct_file()
+            } else {
+                None
+            },
         }
     }
 
@@ -172,7 +218,12 @@ impl Source {
                 pos += row.run_bytes;
             }
         }
-        engine::execute(&[self.input()], &direct, opts.threads, poll)?;
+        engine::execute(
+            &[self.input(Strategy::Pread)],
+            &direct,
+            settings(&[self], opts),
+            poll,
+        )?;
         self.gather_small(info, &small, &out)?;
         Ok(out)
     }
@@ -226,14 +277,28 @@ impl Source {
     }
 }
 
-/// Reads tensors of one or more sources with one worker pool, in (source, offset) order.
-/// Returns buffers in the order of `wanted`.
+fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
+    let network = sources
+        .iter()
+        .find(|s| matches!(s.kind, FsKind::Network(_)));
+    let cores = engine::default_threads();
+    Settings {
+        threads: opts.threads.unwrap_or_else(|| {
+            storage::threads_for(network.map_or(FsKind::Local, |s| s.kind), cores)
+        }),
+        own_fds: network.is_some(),
+    }
+}
+
+/// Reads tensors of one or more sources with one worker pool, in (source, offset) order, with
+/// `strategy` (Pread or Direct). Returns buffers in the order of `wanted`.
 pub fn read_tensors(
     sources: &[&Source],
     wanted: &[(usize, &TensorInfo)],
+    strategy: Strategy,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<Vec<TensorBytes>> {
+) -> Result<(Vec<TensorBytes>, Report)> {
     let sizes: Vec<usize> = wanted.iter().map(|(_, t)| t.nbytes()).collect();
     let buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
         Some((s, t)) => sources[*s].read_err(t, e),
@@ -247,9 +312,12 @@ pub fn read_tensors(
         let at = sources[s].header.data_start() + info.begin as u64;
         plan.add(s, at, buffers[i].as_mut_ptr(), info.nbytes(), &info.name);
     }
-    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input()).collect();
-    engine::execute(&inputs, &plan, opts.threads, poll)?;
-    Ok(buffers)
+    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
+    let report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
+    if opts.drop_cache {
+        sources.iter().for_each(|s| storage::drop_cached(&s.file));
+    }
+    Ok((buffers, report))
 }
 
 /// `read_at` until `buf` is full or the file ends; returns bytes read.

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device
 from ._frameworks import CONVERTERS, FRAMEWORKS
-from ._safeload import Handle, SafetensorError, read_checkpoint
+from ._open import Stats, resolve_backend
+from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
 
 Progress = Callable[[int, int], None]
 
@@ -62,32 +64,68 @@ def load_checkpoint(
     backend: str = "auto",
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
-    progress: Optional[Progress] = None,
-) -> Dict[str, Any]:
-    """One state dict from every shard. ``backend="mmap"`` maps instead of reading."""
+    drop_cache: bool = False,
+    progress: Any = None,
+    return_stats: bool = False,
+) -> Any:
+    """One state dict from every shard, read through one worker pool.
+
+    ``progress``: a callable ``(bytes_done, bytes_total)``, or True for a tqdm bar (streams in
+    batches to report). ``return_stats``: also return a :class:`Stats`."""
     paths = resolve(path_or_paths)
     convert = _converter(framework, device)
+    backend = resolve_backend(backend)
+    out: Dict[str, Any] = {}
     if backend == "mmap":
-        out: Dict[str, Any] = {}
         for p in paths:
             h = Handle(p, "mmap")
             for name, code, shape, data in h.read_many():
                 out[name] = convert(name, code, shape, data)
-        return out
-    if backend not in ("auto", "pread"):
-        Handle(paths[0], backend).close()  # raises the invalid-backend error
-    if progress is None:
-        per_file = read_checkpoint(paths, threads=threads, chunk_bytes=chunk_bytes)
+        stats = Stats("mmap", 0, 0, 0, 0.0, h.storage)
+    elif progress is not None:
+        started = time.perf_counter()
+        callback = _progress_callback(progress)
+        stream = _stream(paths, convert, 1 << 30, backend, threads, chunk_bytes, drop_cache, callback)
+        total = 0
+        for name, tensor, nbytes in stream:
+            _add(out, name, tensor)
+            total += nbytes
+        stats = Stats(backend, threads or 0, chunk_bytes or DEFAULT_CHUNK_BYTES, total,
+                      time.perf_counter() - started, "")
     else:
-        return dict(iter_checkpoint(paths, framework, device=device, threads=threads,
-                                    chunk_bytes=chunk_bytes, progress=progress))
-    result: Dict[str, Any] = {}
-    for tensors in per_file:
-        for name, code, shape, data in tensors:
-            if name in result:
-                raise SafetensorError(f"tensor {name} appears in more than one shard")
-            result[name] = convert(name, code, shape, data)
-    return result
+        per_file, (nbytes, seconds, used_threads, used) = read_checkpoint(
+            paths, backend=backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache
+        )
+        for tensors in per_file:
+            for name, code, shape, data in tensors:
+                _add(out, name, convert(name, code, shape, data))
+        stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
+    return (out, stats) if return_stats else out
+
+
+def _add(out: Dict[str, Any], name: str, tensor: Any) -> None:
+    if name in out:
+        raise SafetensorError(f"tensor {name} appears in more than one shard")
+    out[name] = tensor
+
+
+def _progress_callback(progress: Any) -> Optional[Progress]:
+    """A callable as given, or a tqdm bar (bytes, rate, ETA) for ``progress=True``."""
+    if progress is True:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return None
+        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="loading")
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            if done >= total:
+                bar.close()
+
+        return update
+    return progress or None
 
 
 def iter_checkpoint(
@@ -96,15 +134,35 @@ def iter_checkpoint(
     *,
     device: Any = "cpu",
     max_inflight_bytes: int = 1 << 30,
+    backend: str = "auto",
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
-    progress: Optional[Progress] = None,
+    drop_cache: bool = False,
+    progress: Any = None,
 ) -> Iterator[Tuple[str, Any]]:
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
     into a model tensor by tensor."""
     paths = resolve(path_or_paths)
     convert = _converter(framework, device)
+    stream = _stream(paths, convert, max_inflight_bytes, resolve_backend(backend), threads,
+                     chunk_bytes, drop_cache, _progress_callback(progress))
+    for name, tensor, _ in stream:
+        yield name, tensor
+
+
+def _stream(
+    paths: List[str],
+    convert: Callable[[str, str, List[int], Any], Any],
+    max_inflight_bytes: int,
+    backend: str,
+    threads: Optional[int],
+    chunk_bytes: Optional[int],
+    drop_cache: bool,
+    progress: Optional[Progress],
+) -> Iterator[Tuple[str, Any, int]]:
+    if backend == "mmap":
+        backend = "auto"  # a stream reads into owned memory batch by batch
     plan: List[Tuple[int, str, int]] = []
     for i, p in enumerate(paths):
         h = Handle(p, "pread")
@@ -116,10 +174,11 @@ def iter_checkpoint(
         selection: List[Optional[List[str]]] = [[] for _ in paths]
         for i, name, _ in batch:
             selection[i].append(name)  # type: ignore[union-attr]
-        per_file = read_checkpoint(paths, selection, threads=threads, chunk_bytes=chunk_bytes)
+        per_file, _ = read_checkpoint(paths, selection, backend=backend, threads=threads,
+                                      chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         for tensors in per_file:
             for name, code, shape, data in tensors:
-                yield name, convert(name, code, shape, data)
+                yield name, convert(name, code, shape, data), len(data)
         done += sum(n for _, _, n in batch)
         if progress is not None:
             progress(done, total)

@@ -11,6 +11,40 @@ from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 
 DEFAULT_BACKEND = "auto"
+#: Environment variable that replaces the default backend ("auto") for every load.
+BACKEND_ENV = "SAFELOAD_BACKEND"
+
+
+def resolve_backend(backend: Any) -> str:
+    """The backend name to use: ``backend``, or ``$SAFELOAD_BACKEND`` when it is the default."""
+    if not isinstance(backend, str):
+        raise TypeError(f"argument 'backend': {type(backend).__name__!r} object is not a str")
+    if backend == DEFAULT_BACKEND:
+        return os.environ.get(BACKEND_ENV) or backend
+    return backend
+
+
+class Stats:
+    """What a handle's reads did: ``backend``, ``threads``, ``chunk_bytes``, ``bytes_read``,
+    ``seconds`` (time spent reading), ``storage`` (filesystem kind)."""
+
+    __slots__ = ("backend", "threads", "chunk_bytes", "bytes_read", "seconds", "storage")
+
+    def __init__(self, backend: str, threads: int, chunk_bytes: int, bytes_read: int, seconds: float, storage: str) -> None:
+        self.backend = backend
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.bytes_read = bytes_read
+        self.seconds = seconds
+        self.storage = storage
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"Stats({fields})"
 
 
 def _framework(framework: Any) -> str:
@@ -29,9 +63,12 @@ class safe_open:
         filename: ``str`` or ``os.PathLike``.
         framework: ``"pt"``, ``"np"``, ``"tf"``, ``"flax"``, ``"mlx"`` or ``"paddle"``.
         device: ``"cpu"`` (default), ``"cuda:N"``, ``"mps"``, an int, or a ``torch.device``.
-        backend: ``"auto"`` (default: the parallel reader), ``"pread"``, or ``"mmap"``
-            (zero-copy private mappings, as safetensors' default).
+        backend: ``"auto"`` (default: chosen per file from the filesystem and the page cache),
+            ``"pread"`` (parallel reader), ``"direct"`` (O_DIRECT, around the page cache), or
+            ``"mmap"`` (zero-copy private mappings, as safetensors' default).
+            ``$SAFELOAD_BACKEND`` replaces the default.
         threads, chunk_bytes: tuning of the parallel reader.
+        drop_cache: drop the file's pages from the page cache after each read.
     """
 
     def __init__(
@@ -43,6 +80,7 @@ class safe_open:
         backend: str = DEFAULT_BACKEND,
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
+        drop_cache: bool = False,
     ) -> None:
         if isinstance(filename, bytes) or not isinstance(filename, (str, os.PathLike)):
             raise TypeError(
@@ -50,9 +88,13 @@ class safe_open:
             )
         self._framework = _framework(framework)
         device_name = _device.parse(device)
-        if not isinstance(backend, str):
-            raise TypeError(f"argument 'backend': {type(backend).__name__!r} object is not a str")
-        self._handle = Handle(os.fspath(filename), backend, threads=threads, chunk_bytes=chunk_bytes)
+        self._handle = Handle(
+            os.fspath(filename),
+            resolve_backend(backend),
+            threads=threads,
+            chunk_bytes=chunk_bytes,
+            drop_cache=drop_cache,
+        )
         if device_name != "cpu" and self._framework not in ("pytorch", "paddle"):
             self._handle.close()
             raise SafetensorError(
@@ -67,8 +109,14 @@ class safe_open:
 
     @property
     def backend(self) -> str:
-        """The backend reading this file ("pread" or "mmap")."""
+        """The backend reading this file: "pread", "direct" or "mmap" ("auto" resolved)."""
         return self._handle.backend
+
+    @property
+    def stats(self) -> Stats:
+        """Totals of this handle's reads so far."""
+        bytes_read, seconds, threads, _ = self._handle.stats()
+        return Stats(self._handle.backend, threads, self._handle.chunk_bytes, bytes_read, seconds, self._handle.storage)
 
     def __enter__(self) -> "safe_open":
         return self
@@ -120,7 +168,7 @@ class safe_open:
 class _safe_open_handle(safe_open):
     """``safe_open`` over an already open file object (uses its ``name``)."""
 
-    def __init__(self, f: Any, framework: str, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> None:
+    def __init__(self, f: Any, framework: str, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> None:  # noqa: E501
         f.fileno  # noqa: B018 - 0.8 requires a real file object
         super().__init__(f.name, framework, device, backend=backend)
 

@@ -289,9 +289,10 @@ def load_model(
     return missing, unexpected  # type: ignore[return-value]
 
 
-def load_checkpoint(path_or_paths: Any, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND, **kwargs: Any) -> Dict[str, torch.Tensor]:
-    """Loads a whole checkpoint: a file, a list of shards, a directory, or an index.json.
-    See :func:`safeload._checkpoint.load_checkpoint`."""
+def load_checkpoint(path_or_paths: Any, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND, **kwargs: Any) -> Any:
+    """Loads a whole checkpoint: a file, a list of shards, a directory, or an index.json, with
+    every shard read through one worker pool. Keywords: threads, chunk_bytes, drop_cache,
+    progress, return_stats (see :func:`safeload._checkpoint.load_checkpoint`)."""
     return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, backend=backend, **kwargs)
 
 

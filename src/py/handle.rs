@@ -1,7 +1,7 @@
 //! `Handle`: one open file, as the Python `safe_open` uses it.
 
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -9,49 +9,53 @@ use pyo3::types::{PyDict, PyTuple};
 
 use super::bytes::Bytes;
 use super::errors::{SafetensorError, detached, to_py};
+use crate::engine::Report;
 use crate::error::Error;
 use crate::header::TensorInfo;
 use crate::slice::{self, Index};
 use crate::source::{self, ReadOptions, Source};
-
-/// How tensor bytes are obtained.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Backend {
-    /// Zero-copy views of a private map, faulted in on first touch (safetensors' default).
-    Mmap,
-    /// The parallel pread engine into owned, aligned buffers.
-    Pread,
-}
-
-const BACKENDS: &str = "\"auto\", \"mmap\", \"pread\"";
+use crate::storage::{Backend, Strategy};
 
 fn parse_backend(name: &str) -> PyResult<Backend> {
-    match name {
-        "mmap" => Ok(Backend::Mmap),
-        "pread" | "auto" => Ok(Backend::Pread),
-        other => Err(SafetensorError::new_err(format!(
-            "backend {other:?} is invalid (expected one of: {BACKENDS})"
-        ))),
+    Backend::parse(name).ok_or_else(|| {
+        SafetensorError::new_err(format!(
+            "backend {name:?} is invalid (expected one of: {})",
+            Backend::NAMES
+        ))
+    })
+}
+
+fn options(threads: Option<usize>, chunk_bytes: Option<usize>, drop_cache: bool) -> ReadOptions {
+    ReadOptions {
+        threads: threads.map(|t| t.max(1)),
+        chunk_bytes: chunk_bytes.unwrap_or(crate::plan::DEFAULT_CHUNK_BYTES),
+        drop_cache,
     }
 }
 
-fn options(threads: Option<usize>, chunk_bytes: Option<usize>) -> ReadOptions {
-    let defaults = ReadOptions::default();
-    ReadOptions {
-        threads: threads.unwrap_or(defaults.threads).max(1),
-        chunk_bytes: chunk_bytes.unwrap_or(defaults.chunk_bytes),
-    }
+/// Totals over a handle's reads, for `f.stats`.
+#[derive(Default, Clone, Copy)]
+struct Totals {
+    bytes: u64,
+    seconds: f64,
+    threads: usize,
+    reads: u64,
 }
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {
     source: RwLock<Option<Arc<Source>>>,
-    backend: Backend,
+    /// What reads this file; "auto" is resolved at open. Direct falls back to Pread when the
+    /// filesystem refuses O_DIRECT.
+    strategy: RwLock<Strategy>,
     opts: ReadOptions,
+    totals: Mutex<Totals>,
 }
 
 /// (name, dtype code, shape, bytes): what Python turns into a tensor.
 type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
+/// (bytes, seconds, threads, backend) of one read.
+type ReadStats = (u64, f64, usize, &'static str);
 /// (name, dtype code, shape, begin, end): a header entry.
 type InfoTuple = (String, &'static str, Vec<usize>, usize, usize);
 
@@ -64,23 +68,42 @@ impl Handle {
             .ok_or_else(|| SafetensorError::new_err("File is closed"))
     }
 
+    fn strategy(&self) -> Strategy {
+        *self.strategy.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn record(&self, report: &Report) {
+        let mut t = self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        t.bytes += report.bytes;
+        t.seconds += report.seconds;
+        t.threads = report.threads;
+        t.reads += 1;
+        if report.direct_refused {
+            *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Strategy::Pread;
+        }
+    }
+
     fn read_infos(
         &self,
         py: Python<'_>,
         source: &Arc<Source>,
         infos: Vec<&TensorInfo>,
     ) -> PyResult<Vec<TensorTuple>> {
-        let buffers = match self.backend {
-            Backend::Mmap => infos
+        let buffers = match self.strategy() {
+            Strategy::Mmap => infos
                 .iter()
                 .map(|t| source.map_tensor(t))
                 .collect::<Result<Vec<_>, Error>>()
                 .map_err(to_py)?,
-            Backend::Pread => {
+            strategy => {
                 let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
                 let opts = self.opts;
                 let s: &Source = source;
-                detached(py, |poll| source::read_tensors(&[s], &wanted, &opts, poll))?
+                let (buffers, report) = detached(py, |poll| {
+                    source::read_tensors(&[s], &wanted, strategy, &opts, poll)
+                })?;
+                self.record(&report);
+                buffers
             }
         };
         Ok(infos
@@ -123,33 +146,52 @@ fn parse_indices(indices: &Bound<'_, PyAny>) -> PyResult<Vec<Index>> {
 #[pymethods]
 impl Handle {
     #[new]
-    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None))]
+    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         backend: &str,
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
+        drop_cache: bool,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
-        let source = py.detach(|| Source::open(&path)).map_err(to_py)?;
+        let (source, strategy) = py
+            .detach(|| {
+                Source::open(&path).map(|s| {
+                    let strategy = s.resolve(backend);
+                    (s, strategy)
+                })
+            })
+            .map_err(to_py)?;
         Ok(Handle {
             source: RwLock::new(Some(Arc::new(source))),
-            backend,
-            opts: options(threads, chunk_bytes),
+            strategy: RwLock::new(strategy),
+            opts: options(threads, chunk_bytes, drop_cache),
+            totals: Mutex::new(Totals::default()),
         })
     }
 
+    /// The backend reading this file: "mmap", "pread" or "direct".
     #[getter]
     fn backend(&self) -> &'static str {
-        match self.backend {
-            Backend::Mmap => "mmap",
-            Backend::Pread => "pread",
-        }
+        self.strategy().name()
+    }
+
+    /// The filesystem kind the file lives on ("local", "memory", "fuse", "nfs", ...).
+    #[getter]
+    fn storage(&self) -> PyResult<&'static str> {
+        Ok(self.source()?.kind.name())
+    }
+
+    /// Totals of the reads made so far: bytes, seconds, threads of the last read, reads.
+    fn stats(&self) -> (u64, f64, usize, u64) {
+        let t = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        (t.bytes, t.seconds, t.threads, t.reads)
     }
 
     #[getter]
-    fn threads(&self) -> usize {
+    fn threads(&self) -> Option<usize> {
         self.opts.threads
     }
 
@@ -277,8 +319,8 @@ impl Handle {
         let info = source.tensor(name).map_err(to_py)?;
         let indices = parse_indices(indices)?;
         let plan = slice::plan(info.dtype, &info.shape, &indices).map_err(to_py)?;
-        let bytes = match self.backend {
-            Backend::Mmap => {
+        let bytes = match self.strategy() {
+            Strategy::Mmap => {
                 let whole = source.map_tensor(info).map_err(to_py)?;
                 let out = crate::buffer::allocate(&[plan.nbytes])
                     .map_err(|e| to_py(Error::Serialize(format!("out of memory: {e}"))))?
@@ -289,7 +331,7 @@ impl Handle {
                 slice::gather(&plan, whole.as_slice(), dest);
                 out
             }
-            Backend::Pread => {
+            _ => {
                 let opts = self.opts;
                 let s: &Source = &source;
                 detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?
@@ -302,14 +344,17 @@ impl Handle {
 /// Reads every tensor of several files through one worker pool (shards overlap).
 /// `selection` optionally limits each file to some names. Returns one list per file.
 #[pyfunction]
-#[pyo3(signature = (paths, selection=None, *, threads=None, chunk_bytes=None))]
+#[pyo3(signature = (paths, selection=None, *, backend="auto", threads=None, chunk_bytes=None, drop_cache=false))]
 pub fn read_checkpoint(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     selection: Option<Vec<Option<Vec<String>>>>,
+    backend: &str,
     threads: Option<usize>,
     chunk_bytes: Option<usize>,
-) -> PyResult<Vec<Vec<TensorTuple>>> {
+    drop_cache: bool,
+) -> PyResult<(Vec<Vec<TensorTuple>>, ReadStats)> {
+    let backend = parse_backend(backend)?;
     let sources = py
         .detach(|| {
             paths
@@ -337,9 +382,22 @@ pub fn read_checkpoint(
             }
         }
     }
-    let opts = options(threads, chunk_bytes);
+    let opts = options(threads, chunk_bytes, drop_cache);
     let refs: Vec<&Source> = sources.iter().collect();
-    let buffers = detached(py, |poll| source::read_tensors(&refs, &wanted, &opts, poll))?;
+    // One pool for every shard: the first shard's resolution stands for all (mmap is not a
+    // whole-checkpoint strategy; callers map shards one by one instead).
+    let strategy = match refs.first().map(|s| s.resolve(backend)) {
+        Some(Strategy::Direct) => Strategy::Direct,
+        _ => Strategy::Pread,
+    };
+    let (buffers, report) = detached(py, |poll| {
+        source::read_tensors(&refs, &wanted, strategy, &opts, poll)
+    })?;
+    let used = if report.direct_refused {
+        Strategy::Pread
+    } else {
+        strategy
+    };
     let mut out: Vec<Vec<TensorTuple>> = (0..sources.len()).map(|_| Vec::new()).collect();
     for ((file, t), b) in wanted.into_iter().zip(buffers) {
         out[file].push((
@@ -349,5 +407,8 @@ pub fn read_checkpoint(
             Bytes::new(b),
         ));
     }
-    Ok(out)
+    Ok((
+        out,
+        (report.bytes, report.seconds, report.threads, used.name()),
+    ))
 }
