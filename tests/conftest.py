@@ -1,0 +1,165 @@
+"""Shared helpers for safeload's test suite.
+
+Files are written with safetensors 0.8's own writer (the reference) unless a test is about
+safeload's writer; hand-crafted and malformed files are written byte by byte with ``write_raw``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Dict, Optional, Union
+
+import numpy as np
+import pytest
+import torch
+
+import safetensors
+import safetensors.torch as st_torch
+
+import safeload
+
+# Every safetensors dtype code torch has, with its torch dtype (F4 packs two values per element).
+TORCH_DTYPES: Dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
+}
+
+# dtypes that plain numpy (and so safetensors 0.8's numpy path) has.
+NUMPY_CODES = ["F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C64", "U16", "U32", "U64"]
+# dtypes numpy only has through ml_dtypes (safeload supports them, 0.8 does not).
+ML_DTYPES_CODES = ["BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"]
+
+BACKENDS = ["mmap", "pread", "auto"]
+
+
+def make_tensor(code: str, shape, seed: int = 0) -> torch.Tensor:
+    """A tensor of dtype ``code`` and ``shape`` filled with deterministic random bytes.
+
+    Bytes are random for every dtype (NaNs included for floats): comparisons are by raw bytes.
+    BOOL gets 0/1 bytes only. For F4, ``shape`` is torch's shape (last dim = packed pairs).
+    """
+    dtype = TORCH_DTYPES[code]
+    shape = tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    nbytes = n * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes in row-major order (works for 0-dim, zero-size and float4 tensors)."""
+    t = t.detach().cpu()
+    if t.numel() == 0:
+        return b""
+    if t.dtype.itemsize == 1:  # same-size view works for any strides (and for float4)
+        return t.view(torch.uint8).numpy().tobytes()
+    dense = torch.empty(t.shape, dtype=t.dtype)  # standard strides, even for 1-element views
+    dense.copy_(t)
+    u = dense.reshape(-1).view(torch.uint8)
+    return u.numpy().tobytes()
+
+
+def assert_tensor_equal(a: Any, b: Any, context: str = "") -> None:
+    """Same dtype, same shape, same bytes (torch tensors or numpy arrays)."""
+    where = f" [{context}]" if context else ""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), f"types differ{where}: {type(a)} {type(b)}"
+        assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}{where}"
+        assert a.shape == b.shape, f"shape {a.shape} != {b.shape}{where}"
+        assert a.tobytes() == b.tobytes(), f"bytes differ{where}"
+        return
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"types differ{where}: {type(a)} {type(b)}"
+    assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}{where}"
+    assert tuple(a.shape) == tuple(b.shape), f"shape {tuple(a.shape)} != {tuple(b.shape)}{where}"
+    assert raw_bytes(a) == raw_bytes(b), f"bytes differ{where}"
+
+
+def assert_dicts_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    assert list(a.keys()) == list(b.keys()) or sorted(a) == sorted(b), f"keys differ: {sorted(a)} vs {sorted(b)}"
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert_tensor_equal(a[k], b[k], k)
+
+
+def write_raw(path: Union[str, os.PathLike], header: Union[bytes, str, Any], data: bytes = b"",
+              *, length: Optional[int] = None) -> str:
+    """Writes ``<u64 header length><header><data>``: header may be a JSON-able object, a str, or
+    raw bytes; ``length`` overrides the declared header length (for lying files)."""
+    if isinstance(header, bytes):
+        hb = header
+    elif isinstance(header, str):
+        hb = header.encode("utf-8")
+    else:
+        hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    n = len(hb) if length is None else length
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", n))
+        f.write(hb)
+        f.write(data)
+    return os.fspath(path)
+
+
+def parse_file(data: bytes):
+    """(header dict, data bytes) of a safetensors file's bytes."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+@pytest.fixture
+def write_st(tmp_path):
+    """Factory: write_st(tensors, name="x.safetensors", metadata=None) -> path, written by 0.8."""
+
+    counter = [0]
+
+    def _write(tensors: Dict[str, torch.Tensor], name: Optional[str] = None,
+               metadata: Optional[Dict[str, str]] = None) -> str:
+        counter[0] += 1
+        path = tmp_path / (name or f"ref{counter[0]}.safetensors")
+        st_torch.save_file(tensors, str(path), metadata=metadata)
+        return str(path)
+
+    return _write
+
+
+def read_all_ref(path: str, framework: str = "pt") -> Dict[str, Any]:
+    """Every tensor of ``path`` read by safetensors 0.8 (mmap)."""
+    with safetensors.safe_open(path, framework) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def read_all_safeload(path: str, framework: str = "pt", backend: str = "auto") -> Dict[str, Any]:
+    with safeload.safe_open(path, framework, backend=backend) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def catch(fn, *args, **kwargs):
+    """(exception type name, message) raised by ``fn``, or ("ok", result)."""
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e))

@@ -1,0 +1,279 @@
+"""get_slice(name)[key] must equal indexing the full tensor with the same key (torch and numpy).
+
+Where safeload deliberately differs from safetensors 0.8 (negative starts, start > stop, steps,
+Ellipsis) the reference is torch / numpy indexing, not 0.8. What 0.8's own tests pin is kept:
+a slice stop past the dimension raises, as do out-of-range ints and non-empty lists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import safetensors.torch as st_torch
+
+import safeload
+from safeload import SafetensorError
+
+from conftest import assert_tensor_equal, make_tensor, raw_bytes
+
+SLICE_BACKENDS = ["pread", "mmap"]
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """shape -> path of a file holding tensors of that shape (F32 'f', I16 'i', BOOL 'b', BF16 'h')."""
+    d = tmp_path_factory.mktemp("slices")
+    cache = {}
+
+    def get(shape):
+        shape = tuple(shape)
+        if shape not in cache:
+            n = 1
+            for s in shape:
+                n *= s
+            tensors = {
+                "f": torch.arange(n, dtype=torch.float32).reshape(shape),
+                "i": (torch.arange(n, dtype=torch.int16) * 7 - 100).reshape(shape),
+                "b": (torch.arange(n) % 3 == 0).reshape(shape),
+                "h": make_tensor("BF16", shape, seed=n),
+            }
+            path = d / f"s_{'x'.join(map(str, shape)) or 'scalar'}.safetensors"
+            st_torch.save_file(tensors, str(path))
+            cache[shape] = (str(path), tensors)
+        return cache[shape]
+
+    return get
+
+
+def _bound(size):
+    return st.one_of(st.none(), st.integers(-size - 3, size + 3))
+
+
+def _stop(size):
+    # stops past the end raise (0.8's rule, tested separately): stay within [.., size]
+    return st.one_of(st.none(), st.integers(-size - 3, size))
+
+
+def dim_index(size):
+    slices = st.builds(slice, _bound(size), _stop(size), st.sampled_from([None, 1, 2, 3]))
+    if size == 0:
+        return slices
+    return st.one_of(st.integers(-size, size - 1), slices)
+
+
+@st.composite
+def shape_and_key(draw):
+    shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4))
+    ndim = len(shape)
+    if draw(st.booleans()):
+        # leading indices, an Ellipsis for the dims in between, trailing indices
+        lead = draw(st.integers(0, ndim))
+        trail = draw(st.integers(0, ndim - lead))
+        items = [draw(dim_index(shape[i])) for i in range(lead)]
+        items.append(Ellipsis)
+        items += [draw(dim_index(shape[i])) for i in range(ndim - trail, ndim)]
+    else:
+        k = draw(st.integers(0, ndim))
+        items = [draw(dim_index(shape[i])) for i in range(k)]
+    if len(items) == 1 and draw(st.booleans()):
+        key = items[0]
+    else:
+        key = tuple(items)
+    name = draw(st.sampled_from(["f", "i", "b", "h"]))
+    return tuple(shape), key, name
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@SETTINGS
+@given(case=shape_and_key())
+def test_slice_equals_torch_indexing(files, backend, case):
+    shape, key, name = case
+    path, tensors = files(shape)
+    expected = tensors[name][key]
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        got = f.get_slice(name)[key]
+    assert_tensor_equal(got, expected.contiguous(), f"{shape} {name} [{key!r}]")
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@SETTINGS
+@given(case=shape_and_key())
+def test_slice_equals_numpy_indexing(files, backend, case):
+    shape, key, name = case
+    if name == "h":
+        name = "f"  # plain numpy has no bfloat16 to index the reference with
+    path, tensors = files(shape)
+    full = tensors[name].numpy()
+    expected = np.array(full[key])  # np.array keeps 0-d results 0-d
+    with safeload.safe_open(path, "np", backend=backend) as f:
+        got = f.get_slice(name)[key]
+    assert isinstance(got, np.ndarray)
+    assert_tensor_equal(np.asarray(got), np.asarray(expected), f"{shape} {name} [{key!r}]")
+
+
+# -- hand-picked cases of the deliberate differences from 0.8 ---------------------------------
+
+A = torch.arange(50, dtype=torch.float32).reshape(10, 5)
+
+KEYS = [
+    slice(-3, None),
+    slice(-20, None),
+    slice(None, -2),
+    slice(-4, -1),
+    slice(-1, -10),
+    slice(5, 2),
+    slice(10, 10),
+    slice(10, None),
+    slice(12, 5),
+    slice(None, None, 2),
+    slice(1, None, 3),
+    slice(-7, 9, 2),
+    (slice(None, None, 3), slice(None, None, 2)),
+    (slice(None), slice(1, 4, 2)),
+    (Ellipsis, 1),
+    (1, Ellipsis),
+    (Ellipsis, slice(None, None, 2)),
+    Ellipsis,
+    (Ellipsis,),
+    (Ellipsis, 2, 3),
+    (2, Ellipsis, 3),
+    (),
+    -1,
+    (-10, -5),
+    (slice(None), -1),
+    [],
+]
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@pytest.mark.parametrize("key", KEYS, ids=repr)
+def test_known_keys(tmp_path, backend, key):
+    path = str(tmp_path / "a.safetensors")
+    st_torch.save_file({"a": A}, path)
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        got = f.get_slice("a")[key]
+    assert_tensor_equal(got, A[key].contiguous(), repr(key))
+    with safeload.safe_open(path, "np", backend=backend) as f:
+        got_np = f.get_slice("a")[key]
+    assert_tensor_equal(got_np, np.array(A.numpy()[key]), repr(key))
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+def test_scalar_and_empty(tmp_path, backend):
+    path = str(tmp_path / "s.safetensors")
+    s = torch.tensor(3.5)
+    z = torch.zeros(0, 3)
+    st_torch.save_file({"s": s, "z": z}, path)
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        assert_tensor_equal(f.get_slice("s")[()], s)
+        assert_tensor_equal(f.get_slice("s")[...], s)
+        assert f.get_slice("s").get_shape() == []
+        assert_tensor_equal(f.get_slice("z")[:], z)
+        assert_tensor_equal(f.get_slice("z")[...], z)
+        assert_tensor_equal(f.get_slice("z")[:, 1:], z[:, 1:])
+        assert_tensor_equal(f.get_slice("z")[[]], z[[]])
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+def test_slice_dtypes_and_f4_rows(tmp_path, backend):
+    from conftest import TORCH_DTYPES
+
+    tensors = {code: make_tensor(code, (6, 4), seed=i) for i, code in enumerate(TORCH_DTYPES)}
+    path = str(tmp_path / "d.safetensors")
+    st_torch.save_file(tensors, path)
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        for code, t in tensors.items():
+            for key in [slice(1, 5, 2), slice(-2, None), 3, (Ellipsis,), slice(4, 1)]:
+                got = f.get_slice(code)[key]
+                exp = t[key]
+                assert got.dtype == exp.dtype, (code, key)
+                assert tuple(got.shape) == tuple(exp.shape), (code, key)
+                assert raw_bytes(got) == raw_bytes(exp), (code, key)
+
+
+# -- rules kept from 0.8 -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = str(tmp_path / "a.safetensors")
+    st_torch.save_file({"a": A}, path)
+    return path
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_stop_past_end_raises_with_0_8_message(a_file, backend, framework):
+    with safeload.safe_open(a_file, framework, backend=backend) as f:
+        s = f.get_slice("a")
+        cases = [
+            (slice(None, 20), "Error during slicing [:20] with shape [10, 5]: index 19 out of bounds for tensor dimension #0 of size 10"),
+            ((slice(None), slice(None, 20)), "Error during slicing [:, :20] with shape [10, 5]: index 19 out of bounds for tensor dimension #1 of size 5"),
+            ((slice(2, None), 20), "Error during slicing [2:, 20] with shape [10, 5]: index 20 out of bounds for tensor dimension #1 of size 5"),
+        ]
+        for key, msg in cases:
+            with pytest.raises(SafetensorError) as e:
+                s[key]
+            assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@SETTINGS
+@given(data=st.data())
+def test_any_stop_past_end_raises(a_file, backend, data):
+    dim = data.draw(st.integers(0, 1))
+    size = A.shape[dim]
+    stop = data.draw(st.integers(size + 1, size + 20))
+    start = data.draw(st.one_of(st.none(), st.integers(0, size - 1)))
+    step = data.draw(st.sampled_from([None, 1, 2, 3]))
+    key = (slice(start, stop, step),) if dim == 0 else (slice(None), slice(start, stop, step))
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        with pytest.raises(SafetensorError, match="out of bounds for tensor dimension"):
+            f.get_slice("a")[key]
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+def test_int_index_out_of_range(a_file, backend):
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        s = f.get_slice("a")
+        with pytest.raises(SafetensorError) as e:
+            s[10]
+        assert "out of bounds" in str(e.value)
+        with pytest.raises(SafetensorError) as e:
+            s[:, 5]
+        assert "out of bounds" in str(e.value)
+        with pytest.raises(SafetensorError) as e:
+            s[2:, -6]
+        assert str(e.value) == "Invalid index -6 for dimension 1 of size 5"
+        with pytest.raises(SafetensorError) as e:
+            s[-11]
+        assert str(e.value) == "Invalid index -11 for dimension 0 of size 10"
+        # -size itself is fine
+        assert_tensor_equal(s[-10], A[-10])
+        assert_tensor_equal(s[:, -5], A[:, -5].contiguous())
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+def test_lists(a_file, backend):
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        s = f.get_slice("a")
+        with pytest.raises(SafetensorError) as e:
+            s[[0, 1]]
+        assert str(e.value) == "Non empty lists are not implemented"
+        empty = s[[]]
+        assert tuple(empty.shape) == (0, 5)
+        assert empty.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+def test_too_many_indices_raise(a_file, backend):
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        s = f.get_slice("a")
+        for key in [(0, 0, 0), (slice(None),) * 3]:
+            with pytest.raises((SafetensorError, IndexError)):
+                s[key]
