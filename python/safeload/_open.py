@@ -162,7 +162,7 @@ class safe_open:
     def get_slice(self, name: str) -> "SafeSlice":
         """A lazy view of a tensor; index it to read only the bytes needed."""
         code, shape = self._handle.info(name)
-        return SafeSlice(self, name, code, shape)
+        return SafeSlice(self, self._handle.share(), name, code, shape)
 
 
 class _safe_open_handle(safe_open):
@@ -206,8 +206,9 @@ def _expand(key: Any, ndim: int) -> List[Any]:
 class SafeSlice:
     """What ``get_slice`` returns: shape and dtype without reading, and ``[...]`` indexing."""
 
-    def __init__(self, owner: safe_open, name: str, code: str, shape: List[int]) -> None:
+    def __init__(self, owner: safe_open, handle: Handle, name: str, code: str, shape: List[int]) -> None:
         self._owner = owner
+        self._handle = handle
         self._name = name
         self._code = code
         self._shape = shape
@@ -220,7 +221,7 @@ class SafeSlice:
 
     def __getitem__(self, key: Any) -> Any:
         indices = _expand(key, len(self._shape))
-        code, shape, data = self._owner._handle.read_slice(self._name, indices)
+        code, shape, data = self._handle.read_slice(self._name, indices)
         return self._owner._tensor(self._name, code, shape, data)
 
     def __repr__(self) -> str:

@@ -31,7 +31,8 @@ def _flatten(tensor_dict: Dict[str, np.ndarray], keep_alive: List[Any]) -> Dict[
     for name, array in tensor_dict.items():
         if not _is_little_endian(array):
             array = array.byteswap(inplace=False)
-        array = np.ascontiguousarray(array)
+        # ascontiguousarray would turn a 0-d array into shape (1,).
+        array = np.ascontiguousarray(array).reshape(array.shape)
         keep_alive.append(array)
         specs[name] = TensorSpec(
             dtype=array.dtype.name,

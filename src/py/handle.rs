@@ -208,6 +208,17 @@ impl Handle {
             .is_none()
     }
 
+    /// A second handle on the same open file that stays open when this one closes (what a
+    /// slice keeps, as safetensors' slices keep the file).
+    fn share(&self) -> PyResult<Handle> {
+        Ok(Handle {
+            source: RwLock::new(Some(self.source()?)),
+            strategy: RwLock::new(self.strategy()),
+            opts: self.opts,
+            totals: Mutex::new(Totals::default()),
+        })
+    }
+
     fn close(&self) {
         *self.source.write().unwrap_or_else(|p| p.into_inner()) = None;
     }
