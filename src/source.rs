@@ -19,7 +19,8 @@ use crate::storage::{self, Backend, FsKind, Strategy};
 pub struct ReadOptions {
     /// Workers; None picks from the cores and the filesystem.
     pub threads: Option<usize>,
-    pub chunk_bytes: usize,
+    /// Bytes per read request; None picks from the filesystem.
+    pub chunk_bytes: Option<usize>,
     /// Drop the files' pages from the page cache after reading (load-once hygiene).
     pub drop_cache: bool,
 }
@@ -28,7 +29,7 @@ impl Default for ReadOptions {
     fn default() -> Self {
         ReadOptions {
             threads: None,
-            chunk_bytes: crate::plan::DEFAULT_CHUNK_BYTES,
+            chunk_bytes: None,
             drop_cache: false,
         }
     }
@@ -196,7 +197,7 @@ impl Source {
             .pop()
             .expect("one size, one buffer");
         let base = self.header.data_start() + info.begin as u64;
-        let mut direct = Plan::new(opts.chunk_bytes);
+        let mut direct = Plan::new(chunk_bytes(&[self], opts));
         // Small runs: (file offset, length, position in out), gathered by span below.
         let mut small: Vec<(u64, usize, usize)> = Vec::new();
         let mut pos = 0usize;
@@ -277,6 +278,16 @@ impl Source {
     }
 }
 
+/// The chunk size for these sources: the caller's, else one suited to the slowest filesystem.
+pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
+    let kind = sources
+        .iter()
+        .map(|s| s.kind)
+        .find(|k| matches!(k, FsKind::Network(_)));
+    opts.chunk_bytes
+        .unwrap_or_else(|| storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)))
+}
+
 fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     let network = sources
         .iter()
@@ -306,7 +317,7 @@ pub fn read_tensors(
     })?;
     let mut order: Vec<usize> = (0..wanted.len()).collect();
     order.sort_by_key(|&i| (wanted[i].0, wanted[i].1.begin));
-    let mut plan = Plan::new(opts.chunk_bytes);
+    let mut plan = Plan::new(chunk_bytes(sources, opts));
     for i in order {
         let (s, info) = wanted[i];
         let at = sources[s].header.data_start() + info.begin as u64;

@@ -55,8 +55,14 @@ impl FsKind {
     }
 }
 
-/// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, sampled with
-/// `mincore` over a temporary read-only map. None when it cannot be told.
+/// Pages checked per residency sample, and the number of samples spread over a file.
+const SAMPLE_PAGES: usize = 16;
+const SAMPLES: usize = 64;
+
+/// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, estimated with
+/// `mincore` on up to 64 windows of 16 pages spread evenly over a temporary read-only map (a
+/// whole-file scan costs ~50 ms on a 2.5 GiB file; this costs microseconds). None when it cannot
+/// be told.
 pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
     if len == 0 {
         return Some(1.0);
@@ -80,16 +86,30 @@ pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
         return None;
     }
     let pages = map_len.div_ceil(page as usize);
-    let mut vec = vec![0u8; pages];
-    // SAFETY: `vec` has one byte per page of the mapping.
-    let rc = unsafe { libc::mincore(addr, map_len, vec.as_mut_ptr()) };
+    let windows = SAMPLES.min(pages.div_ceil(SAMPLE_PAGES));
+    let mut vec = [0u8; SAMPLE_PAGES];
+    let (mut seen, mut resident, mut failed) = (0usize, 0usize, false);
+    for w in 0..windows {
+        let first = w * pages / windows;
+        let count = SAMPLE_PAGES.min(pages - first);
+        let at = first * page as usize;
+        let bytes = (count * page as usize).min(map_len - at);
+        // SAFETY: [addr+at, addr+at+bytes) lies inside the mapping; `vec` has a byte per page.
+        let rc =
+            unsafe { libc::mincore(addr.cast::<u8>().add(at).cast(), bytes, vec.as_mut_ptr()) };
+        if rc != 0 {
+            failed = true;
+            break;
+        }
+        seen += count;
+        resident += vec[..count].iter().filter(|b| **b & 1 == 1).count();
+    }
     // SAFETY: unmapping exactly what was mapped above.
     unsafe { libc::munmap(addr, map_len) };
-    if rc != 0 {
+    if failed || seen == 0 {
         return None;
     }
-    let resident = vec.iter().filter(|b| **b & 1 == 1).count();
-    Some(resident as f64 / pages as f64)
+    Some(resident as f64 / seen as f64)
 }
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
@@ -169,6 +189,16 @@ pub fn threads_for(kind: FsKind, cores: usize) -> usize {
     match kind {
         FsKind::Network(_) => 16.max(cores),
         _ => cores.clamp(2, 8),
+    }
+}
+
+/// Bytes per read request: large sequential reads locally; on network filesystems smaller
+/// requests, so that many are in flight at once (the kernel cuts FUSE reads into 128 KiB-1 MiB
+/// requests anyway). Measured through slowfs with 2 ms latency: 1 MiB x 16 workers was fastest.
+pub fn chunk_bytes_for(kind: FsKind) -> usize {
+    match kind {
+        FsKind::Network(_) => 1 << 20,
+        _ => crate::plan::DEFAULT_CHUNK_BYTES,
     }
 }
 

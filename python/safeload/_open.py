@@ -104,6 +104,8 @@ class safe_open:
         if device_name != "cpu" and self._framework == "pytorch":
             self._device = _device.torch_device(device_name)
         self._convert = CONVERTERS[self._framework]
+        self._chunk_bytes = self._handle.chunk_bytes
+        self._storage = self._handle.storage
 
     # -- handle ---------------------------------------------------------------------------
 
@@ -116,7 +118,7 @@ class safe_open:
     def stats(self) -> Stats:
         """Totals of this handle's reads so far."""
         bytes_read, seconds, threads, _ = self._handle.stats()
-        return Stats(self._handle.backend, threads, self._handle.chunk_bytes, bytes_read, seconds, self._handle.storage)
+        return Stats(self._handle.backend, threads, self._chunk_bytes, bytes_read, seconds, self._storage)
 
     def __enter__(self) -> "safe_open":
         return self

@@ -28,7 +28,7 @@ fn parse_backend(name: &str) -> PyResult<Backend> {
 fn options(threads: Option<usize>, chunk_bytes: Option<usize>, drop_cache: bool) -> ReadOptions {
     ReadOptions {
         threads: threads.map(|t| t.max(1)),
-        chunk_bytes: chunk_bytes.unwrap_or(crate::plan::DEFAULT_CHUNK_BYTES),
+        chunk_bytes,
         drop_cache,
     }
 }
@@ -196,8 +196,8 @@ impl Handle {
     }
 
     #[getter]
-    fn chunk_bytes(&self) -> usize {
-        self.opts.chunk_bytes
+    fn chunk_bytes(&self) -> PyResult<usize> {
+        Ok(source::chunk_bytes(&[&*self.source()?], &self.opts))
     }
 
     #[getter]
@@ -350,6 +350,23 @@ impl Handle {
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
+}
+
+/// Fraction of a file's bytes in the page cache (sampled with mincore), and its filesystem kind.
+#[pyfunction]
+pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
+    let open_err = |source| {
+        to_py(Error::Open {
+            path: path.clone(),
+            source,
+        })
+    };
+    let file = std::fs::File::open(&path).map_err(open_err)?;
+    let len = file.metadata().map_err(open_err)?.len();
+    Ok((
+        crate::storage::cached_fraction(&file, 0, len),
+        crate::storage::FsKind::of(&file).name(),
+    ))
 }
 
 /// Reads every tensor of several files through one worker pool (shards overlap).
