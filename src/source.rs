@@ -15,7 +15,7 @@ use crate::slice::SlicePlan;
 use crate::storage::{self, Backend, FsKind, Strategy};
 
 /// Tuning of a read.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct ReadOptions {
     /// Workers; None picks from the cores and the filesystem.
     pub threads: Option<usize>,
@@ -25,15 +25,6 @@ pub struct ReadOptions {
     pub drop_cache: bool,
 }
 
-impl Default for ReadOptions {
-    fn default() -> Self {
-        ReadOptions {
-            threads: None,
-            chunk_bytes: None,
-            drop_cache: false,
-        }
-    }
-}
 
 pub struct Source {
     pub path: PathBuf,
