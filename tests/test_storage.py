@@ -2,7 +2,6 @@
 FUSE mount (tests/support/slowfs.py) that is slow and fails on purpose."""
 
 import os
-import sys
 
 import pytest
 import safetensors
@@ -13,8 +12,7 @@ import safeload
 import safeload.torch as sl
 from safeload._safeload import residency
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
-import slowfs  # noqa: E402
+from safeload import slowfs
 
 FUSE_SKIP = slowfs.fuse_unavailable()
 

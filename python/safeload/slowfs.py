@@ -4,7 +4,7 @@ Mirrors a directory read-only and, per read request, adds a latency and a bandwi
 inject faults: EIO at a byte offset of a file, short reads, a file that shrinks once a given
 number of bytes has been read from it.
 
-    python tests/support/slowfs.py SRC MOUNTPOINT [--latency 0.002] [--bandwidth BYTES_PER_S]
+    python -m safeload.slowfs SRC MOUNTPOINT [--latency 0.002] [--bandwidth BYTES_PER_S]
         [--eio NAME:OFFSET] [--short-reads] [--shrink NAME:SIZE:AFTER_BYTES]
 
 Runs in the foreground until unmounted (``fusermount -u MOUNTPOINT``). ``mounted()`` below does
@@ -135,7 +135,7 @@ def mounted(source: str, mountpoint: str, *options: str) -> Iterator[str]:
     os.makedirs(mountpoint, exist_ok=True)
     # The daemon's stderr goes to a file: a pipe nobody drains would fill and stall the daemon.
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), source, mountpoint, *options],
+    proc = subprocess.Popen([sys.executable, "-m", "safeload.slowfs", source, mountpoint, *options],
                             stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.time() + 15
