@@ -1,0 +1,267 @@
+"""Trust under bad files, failing storage, threads, interrupts and memory pressure: every failure is
+a clear exception, never a crash, a hang, a partial result, or a changed file."""
+
+import concurrent.futures as cf
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import safetensors.torch as st
+import torch
+
+import safeload
+import safeload.numpy as slnp
+import safeload.torch as sl
+
+BACKENDS = ("pread", "direct", "mmap", "auto")
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def raw(t):
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("robust") / "model.safetensors"
+    tensors = {f"layer{i}.w": torch.randn(64, 129 + i) for i in range(16)}
+    tensors["big"] = torch.arange(3 << 20, dtype=torch.int32)
+    st.save_file(tensors, path)
+    return path, {k: v.clone() for k, v in st.load_file(path).items()}
+
+
+# -- hostile files -------------------------------------------------------------------------------
+
+
+def test_truncation_at_every_region_is_an_error_on_every_backend(tmp_path, model):
+    path, _ = model
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    cuts = {0, 4, 8, 9, 8 + header_len // 2, 8 + header_len - 1, 8 + header_len, 8 + header_len + 1, len(data) // 2, len(data) - 1}
+    for cut in sorted(cuts):
+        bad = tmp_path / f"cut{cut}.safetensors"
+        bad.write_bytes(data[:cut])
+        for backend in BACKENDS:
+            with pytest.raises(safeload.SafetensorError, match="Error while deserializing header"):
+                safeload.safe_open(bad, "pt", backend=backend)
+        assert bad.read_bytes() == data[:cut]
+
+
+def test_tensor_named_metadata_is_rejected(tmp_path):
+    header = b'{"__metadata__":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    header += b" " * (-len(header) % 8)
+    bad = tmp_path / "meta.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    for backend in BACKENDS:
+        with pytest.raises(safeload.SafetensorError, match="invalid JSON in header"):
+            safeload.safe_open(bad, "pt", backend=backend)
+    with pytest.raises(safeload.SafetensorError, match="__metadata__"):
+        sl.save({"__metadata__": torch.zeros(1)})
+
+
+def test_missing_and_forbidden_files_raise_the_os_error(tmp_path, model):
+    with pytest.raises(FileNotFoundError, match="No such file or directory"):
+        safeload.safe_open(tmp_path / "nope.safetensors", "pt")
+    with pytest.raises(IsADirectoryError):
+        safeload.safe_open(tmp_path, "pt")
+    if os.geteuid() != 0:  # root reads everything
+        path, _ = model
+        locked = tmp_path / "locked.safetensors"
+        locked.write_bytes(path.read_bytes())
+        locked.chmod(0)
+        with pytest.raises(PermissionError):
+            safeload.safe_open(locked, "pt")
+
+
+# -- failing storage -----------------------------------------------------------------------------
+
+TRUNCATE_UNDER_MMAP = r"""
+import os, sys, safeload
+path = sys.argv[1]
+f = safeload.safe_open(path, "pt", backend="mmap")
+t = f.get_tensor("big")
+os.truncate(path, 4096)
+print(int(t.sum()), flush=True)  # touching pages past the new end of file
+"""
+
+
+def test_file_truncated_while_loading_is_an_error_naming_file_tensor_offset(tmp_path, model):
+    src, _ = model
+    for backend in ("pread", "direct"):
+        path = tmp_path / f"shrinking-{backend}.safetensors"
+        path.write_bytes(src.read_bytes())
+        with safeload.safe_open(path, "pt", backend=backend, chunk_bytes=1 << 16, threads=2) as f:
+            os.truncate(path, os.path.getsize(path) // 2)
+            with pytest.raises(safeload.SafetensorError) as info:
+                f.get_tensors()
+        message = str(info.value)
+        assert str(path) in message and "tensor " in message and "offset " in message, message
+        assert "ended early" in message
+
+
+def test_mmap_backend_documented_risk_sigbus_on_truncation(tmp_path, model):
+    """The mmap backend (like safetensors' default) dies with SIGBUS when the file shrinks under a
+    live tensor; `auto` never picks mmap, so this only happens when asked for."""
+    src, _ = model
+    path = tmp_path / "mapped.safetensors"
+    path.write_bytes(src.read_bytes())
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_MMAP, str(path)], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-500:])
+    with safeload.safe_open(src, "pt") as f:
+        assert f.backend != "mmap"
+
+
+# -- threads -------------------------------------------------------------------------------------
+
+
+def test_one_handle_shared_by_eight_threads(model):
+    path, want = model
+    names = sorted(want)
+    with safeload.safe_open(path, "pt", backend="pread") as f:
+        def work(i):
+            for k in range(20):
+                name = names[(i + k) % len(names)]
+                assert torch.equal(raw(f.get_tensor(name)), raw(want[name]))
+                assert f.keys() == names
+                part = f.get_slice(name)[1:3]
+                assert torch.equal(raw(part), raw(want[name][1:3]))
+            return True
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(work, i) for i in range(8)]
+            assert all(fut.result(timeout=120) for fut in futures)
+
+
+def test_eight_handles_loading_at_once(model):
+    path, want = model
+
+    def load(i):
+        got = sl.load_file(path, backend=BACKENDS[i % len(BACKENDS)])
+        return all(torch.equal(raw(got[k]), raw(want[k])) for k in want)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert all(f.result(timeout=120) for f in [pool.submit(load, i) for i in range(8)])
+
+
+# -- memory and lifetimes ------------------------------------------------------------------------
+
+
+def test_tensors_outlive_handle_and_siblings(model):
+    path, want = model
+    with safeload.safe_open(path, "pt", backend="pread") as f:
+        got = f.get_tensors()
+    keep = got["layer3.w"]
+    del got
+    gc.collect()
+    junk = [torch.full((1 << 20,), 7, dtype=torch.int32) for _ in range(8)]  # reuse freed memory
+    assert torch.equal(keep, want["layer3.w"])
+    del junk
+
+
+def test_no_leak_over_a_thousand_cycles(model):
+    path, _ = model
+    small = path.parent / "small.safetensors"
+    st.save_file({f"t{i}": torch.randn(100) for i in range(50)} | {"m": torch.randn(300, 300)}, small)
+
+    def cycle(n):
+        for i in range(n):
+            with safeload.safe_open(small, "pt", backend=("pread", "mmap")[i % 2]) as f:
+                f.get_tensors()
+                f.get_slice("m")[::3, 1:]
+            slnp.load_file(small)
+
+    cycle(200)
+    gc.collect()
+    before = rss_kib()
+    cycle(1000)
+    gc.collect()
+    grown = rss_kib() - before
+    assert grown < 20 * 1024, f"RSS grew by {grown} KiB over 1000 cycles"
+
+
+INTERRUPT_SCRIPT = r"""
+import os, sys, threading, time, safeload
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4
+path = sys.argv[1]
+f = safeload.safe_open(path, "pt", backend="pread", threads=2, chunk_bytes=1 << 20)
+w = f.get_tensor("w0")  # imports torch and starts its own pools before counting
+del w
+start_rss, start_threads = rss(), len(os.listdir("/proc/self/task"))
+print("ready", flush=True)
+try:
+    while True:
+        f.get_tensors()
+except KeyboardInterrupt:
+    at = time.perf_counter()
+time.sleep(0.2)
+print(at, rss() - start_rss, len(os.listdir("/proc/self/task")) - start_threads, flush=True)
+"""
+
+
+def test_ctrl_c_stops_workers_and_frees_buffers(tmp_path):
+    path = tmp_path / "large.safetensors"
+    st.save_file({f"w{i}": torch.zeros(128 << 20, dtype=torch.uint8) for i in range(4)}, path)  # 512 MiB
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    at, rss_growth_kib, extra_threads = out.split()
+    assert float(at) - sent < 0.5
+    assert int(extra_threads) == 0
+    assert int(rss_growth_kib) < 64 * 1024  # the half-read 512 MiB was freed
+
+
+# -- writes --------------------------------------------------------------------------------------
+
+
+def test_save_rejects_bad_metadata_and_leaves_nothing(tmp_path):
+    with pytest.raises(TypeError):
+        sl.save_file({"a": torch.zeros(2)}, tmp_path / "x.safetensors", metadata={"k": 1})
+    with pytest.raises(TypeError):
+        slnp.save_file({"a": np.zeros(2)}, tmp_path / "x.safetensors", metadata={1: "v"})
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_is_atomic_and_fsyncs(tmp_path, model):
+    _, want = model
+    target = tmp_path / "out.safetensors"
+    target.write_bytes(b"previous contents")
+    sl.save_file(want, target, fsync=True)
+    assert os.listdir(tmp_path) == ["out.safetensors"]
+    got = st.load_file(target)
+    assert all(torch.equal(raw(got[k]), raw(want[k])) for k in want)
+
+
+def test_disk_full_leaves_no_partial_file(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        (mnt / "keep.safetensors").write_bytes(b"old")
+        # safetensors 0.8 reports write failures as SafetensorError("Error while serializing: ...").
+        with pytest.raises(safeload.SafetensorError, match="No space left on device") as info:
+            sl.save_file({"a": torch.zeros(1 << 20)}, mnt / "keep.safetensors")
+        assert "keep.safetensors" in str(info.value)
+        assert os.listdir(mnt) == ["keep.safetensors"]
+        assert (mnt / "keep.safetensors").read_bytes() == b"old"
+    finally:
+        subprocess.run(["umount", str(mnt)])
