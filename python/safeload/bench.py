@@ -3,21 +3,36 @@
     python -m safeload bench                        # sample checkpoints, warm + cold, 3 rounds
     python -m safeload bench --size small --rounds 2
     python -m safeload bench model.safetensors ckpt-dir/ --no-cold --out bench-out
+    python -m safeload bench --slow-fs              # sharded sample through a FUSE mount, +2 ms per read
 
 Every measurement runs in a fresh subprocess (``python -m safeload.bench --worker SPEC``) so each
-contender starts with an empty heap, and the contenders are interleaved in rounds (A B C A B C
-...) so drift on a shared machine hits them alike.  A worker times the load only (after its
-imports), and reports bytes, seconds, its RSS before the load and its peak RSS as one JSON line.
+contender starts with an empty heap, and the contenders are interleaved in rounds so drift on a
+shared machine hits them alike.  Each round runs the contenders in its own order (a shuffle seeded
+by ``--seed``, recorded in results.json), and the harness sleeps ``--settle`` seconds before every
+measured run: memory that one process has just freed is much faster to fault in again than fresh
+memory, so a fixed order (A B C A B C) would favour whoever always follows the largest load.  A
+worker times the load only (after its imports), and reports bytes, seconds, its RSS before the load
+and its peak RSS as one JSON line.
 
 Cache states: *warm* reads every file once before the first round; *cold* drops each file from
 the page cache (``posix_fadvise(DONTNEED)``) in the worker right before the timed load, and
 records how much of the file was still resident (``mincore``) to show the drop worked.
 
+``--slow-fs [LATENCY_S]`` replaces both with one state, *fuse*: every dataset's directory is
+mirrored through a ``safeload.slowfs`` FUSE mount (made once per dataset for the whole run in a
+temporary directory, unmounted at the end, also on error or Ctrl-C) that adds LATENCY_S to every
+read request, and every contender reads through it.  FUSE drops the kernel's page cache of a file
+at each open (no ``keep_cache``), so every load goes through the daemon; the files under the
+mount are kept warm so the added latency, not the disk, is what is measured.
+
 Two reference rates bound what a loader can reach on the same files:
 
 * ``ref_copy``: ``os.preadv`` of 8 MiB chunks in N threads into ONE pre-faulted buffer (file
   sized, reused across shards): the page-cache copy limit when warm, buffered disk reads when cold.
-* ``ref_odirect``: the same with ``O_DIRECT`` into a page-aligned pre-faulted buffer (cold only).
+* ``ref_odirect``: the same with ``O_DIRECT`` into a page-aligned pre-faulted buffer (cold; through
+  a FUSE mount too, reported as skipped where the mount refuses O_DIRECT).
+
+Under ``--slow-fs`` ``ref_copy`` is parallel buffered reads through the mount.
 
 Nothing here imports torch at module level: the CLI stays light and the workers choose their own
 imports.
@@ -26,6 +41,7 @@ imports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import fnmatch
 import json
@@ -34,9 +50,11 @@ import os
 import platform
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,20 +69,27 @@ DATA_VERSION = 1
 # -- contenders ----------------------------------------------------------------------------------
 
 # name -> (description, applies to "single"/"sharded"/"all", cache states it runs in)
+_ALL = ("warm", "cold", "fuse")
 CONTENDERS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
-    "st_get_tensors": ("safetensors safe_open(backend='pread').get_tensors()", "all", ("warm", "cold")),
-    "st_get_tensor_loop": ("safetensors pread: get_tensor(k) for k in keys()", "all", ("warm", "cold")),
-    "st_mmap_clone": ("safetensors mmap: get_tensor(k).clone()", "all", ("warm", "cold")),
-    "st_load_file": ("safetensors.torch.load_file(backend='pread') per shard", "sharded", ("warm", "cold")),
-    "sl_get_tensors": ("safeload safe_open(backend='pread').get_tensors()", "all", ("warm", "cold")),
-    "sl_auto": ("safeload safe_open(backend='auto').get_tensors() (backend chosen per file)", "all", ("warm", "cold")),
-    "sl_mmap_clone": ("safeload mmap: get_tensor(k).clone()", "all", ("warm", "cold")),
-    "sl_load_checkpoint": ("safeload.torch.load_checkpoint(index.json, backend='pread')", "sharded", ("warm", "cold")),
-    "ref_copy": ("reference: preadv 8 MiB x N threads into one pre-faulted buffer", "all", ("warm", "cold")),
-    "ref_odirect": ("reference: O_DIRECT preadv 8 MiB x N threads, aligned buffer", "all", ("cold",)),
+    "st_get_tensors": ("safetensors safe_open(backend='pread').get_tensors()", "all", _ALL),
+    "st_get_tensor_loop": ("safetensors pread: get_tensor(k) for k in keys()", "all", _ALL),
+    "st_mmap_clone": ("safetensors mmap: get_tensor(k).clone()", "all", _ALL),
+    "st_load_file": ("safetensors.torch.load_file(backend='pread') per shard", "sharded", _ALL),
+    "sl_get_tensors": ("safeload safe_open(backend='pread').get_tensors()", "all", _ALL),
+    "sl_auto": ("safeload safe_open(backend='auto').get_tensors() (backend chosen per file)", "all", _ALL),
+    "sl_mmap_clone": ("safeload mmap: get_tensor(k).clone()", "all", _ALL),
+    "sl_load_checkpoint": ("safeload.torch.load_checkpoint(index.json, backend='pread')", "sharded", _ALL),
+    "ref_copy": ("reference: preadv 8 MiB x N threads into one pre-faulted buffer", "all", _ALL),
+    "ref_odirect": ("reference: O_DIRECT preadv 8 MiB x N threads, aligned buffer", "all", ("cold", "fuse")),
 }
 BASELINE = "st_get_tensors"
+MMAP_BASELINE = "st_mmap_clone"
 REFERENCES = ("ref_copy", "ref_odirect")
+# The references that bound ×limit in each cache state.
+LIMIT_REFS: Dict[str, Tuple[str, ...]] = {"warm": ("ref_copy",), "cold": REFERENCES, "fuse": ("ref_copy",)}
+DEFAULT_SLOW_FS_LATENCY = 0.002
+# The issue's target for --slow-fs: safeload's default backend vs both safetensors loaders.
+SLOW_FS_TARGET = 5.0
 
 
 # -- worker side ----------------------------------------------------------------------------------
@@ -294,6 +319,13 @@ def _worker_measure(spec: Dict[str, Any]) -> Dict[str, Any]:
         for f in files:
             _drop_cache(f)
         out["resident_before"] = _resident_fraction(files)
+    if spec.get("fuse"):
+        try:
+            from safeload import _safeload
+
+            out["fs_kind"] = ",".join(sorted({_safeload.residency(f)[1] for f in files}))
+        except Exception as e:  # noqa: BLE001 - informational only
+            out["fs_kind"] = f"? ({type(e).__name__}: {e})"
     out["rss_before_kib"] = _rss_kib()
     out["maxrss_before_kib"] = _maxrss_kib()
     if run is None:
@@ -406,6 +438,7 @@ class Dataset:
     sharded: bool = False
     note: str = ""
     tensor_count: int = 0
+    mountpoint: Optional[str] = None  # set when the files are read through a slowfs mount
 
     @property
     def nbytes(self) -> int:
@@ -663,6 +696,7 @@ class Summary:
     median_peak_rss_mib: Optional[float] = None
     median_rss_before_mib: Optional[float] = None
     vs_baseline: Optional[float] = None
+    vs_st_mmap: Optional[float] = None
     vs_limit: Optional[float] = None
     resident_before_max: Optional[float] = None
     note: str = ""
@@ -690,6 +724,9 @@ def summarize(runs: List[Dict[str, Any]]) -> List[Summary]:
         used = sorted({r["backend"] for r in good if r.get("backend")})
         if used:
             s.extra["backend"] = ",".join(used)
+        kinds = sorted({r["fs_kind"] for r in good if r.get("fs_kind")})
+        if kinds:
+            s.extra["fs_kind"] = ",".join(kinds)
         hwm = [r.get("vmhwm_kib", -1) for r in good]
         if all(h > 0 for h in hwm):
             s.extra["median_vmhwm_mib"] = statistics.median(h / 1024 for h in hwm)
@@ -704,7 +741,10 @@ def summarize(runs: List[Dict[str, Any]]) -> List[Summary]:
         base = by_key.get((s.dataset, s.state, BASELINE))
         if s.median_gibs and base and base.median_gibs:
             s.vs_baseline = s.median_gibs / base.median_gibs
-        refs = [by_key.get((s.dataset, s.state, r)) for r in (("ref_copy",) if s.state == "warm" else REFERENCES)]
+        mbase = by_key.get((s.dataset, s.state, MMAP_BASELINE))
+        if s.median_gibs and mbase and mbase.median_gibs:
+            s.vs_st_mmap = s.median_gibs / mbase.median_gibs
+        refs = [by_key.get((s.dataset, s.state, r)) for r in LIMIT_REFS.get(s.state, ("ref_copy",))]
         limits = [r.median_gibs for r in refs if r and r.median_gibs]
         if s.median_gibs and limits:
             s.vs_limit = s.median_gibs / max(limits)
@@ -723,11 +763,17 @@ def render_markdown(result: Dict[str, Any]) -> str:
         f"- {env['platform']}, {env['cpus']} CPUs, {env['mem_gib']:.1f} GiB RAM; Python {env['python']}, torch {env['torch']}, "
         f"safetensors {env['safetensors']}, safeload {env['safeload']}",
         f"- threads N = {env['threads']} (safeload default {env['default_threads']}), chunk_bytes = {env['chunk_bytes']}, "
-        f"rounds = {result['rounds']}, sample size = {result['size']}",
+        f"rounds = {result['rounds']}, sample size = {result['size']}, seed = {result.get('seed', 0)}, "
+        f"settle = {result.get('settle_s', 0):g} s",
         "- rate = tensor bytes (file bytes for references) / wall time of the load only, in a fresh subprocess; "
         "min–max over rounds; RSS = the worker's peak (ru_maxrss), whole process incl. torch",
-        "- ×st = median rate / safetensors pread get_tensors; ×limit = median rate / ref_copy (warm) or the best of "
-        "ref_copy and ref_odirect (cold)",
+    ]
+    sf = result.get("slow_fs")
+    if sf:
+        lines.append(f"- **slow FS**: every file read through a safeload.slowfs FUSE mount of the dataset's directory, "
+                     f"+{sf['latency_s'] * 1e3:g} ms per read request; cache state `fuse` (FUSE drops the page cache at "
+                     "each open; the files under the mount are warm)")
+    lines += [
         "",
         "## Datasets",
         "",
@@ -748,17 +794,28 @@ def render_markdown(result: Dict[str, Any]) -> str:
         "",
         "## Load rate",
         "",
-        "| dataset | cache | contender | median GiB/s | min–max GiB/s | median s | peak RSS MiB | RSS before MiB | ×st | ×limit |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Ratio columns (median rate of the row ÷ median rate of, in the same dataset and cache state):",
+        "",
+        f"- **×st** ÷ `{BASELINE}` (safetensors 0.8 safe_open(backend='pread').get_tensors())",
+        f"- **×st_mmap** ÷ `{MMAP_BASELINE}` (safetensors mmap: get_tensor(k).clone())",
+        "- **×limit** ÷ the machine's limit: " + "; ".join(
+            {"warm": "`ref_copy` = warm page-cache copy limit (warm)",
+             "cold": "the best of `ref_copy` and `ref_odirect` = best cold read (cold)",
+             "fuse": "`ref_copy` = parallel buffered reads through the mount (fuse)"}[st]
+            for st in (result.get("states") or ["warm", "cold"]) if st in ("warm", "cold", "fuse")),
+        "",
+        "| dataset | cache | contender | median GiB/s | min–max GiB/s | median s | peak RSS MiB | RSS before MiB | ×st | ×st_mmap | ×limit |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in result["summary"]:
         if s["median_gibs"] is None:
-            lines.append(f"| {s['dataset']} | {s['state']} | {s['contender']} | – | – | – | – | – | – | – |")
+            lines.append(f"| {s['dataset']} | {s['state']} | {s['contender']} | – | – | – | – | – | – | – | – |")
             continue
         lines.append(
             f"| {s['dataset']} | {s['state']} | {s['contender']} | {s['median_gibs']:.2f} | "
             f"{s['min_gibs']:.2f}–{s['max_gibs']:.2f} | {s['median_s']:.3f} | {s['median_peak_rss_mib']:.0f} | "
-            f"{s['median_rss_before_mib']:.0f} | {_fmt(s['vs_baseline'], '.2f', '×')} | {_fmt(s['vs_limit'], '.2f', '×')} |"
+            f"{s['median_rss_before_mib']:.0f} | {_fmt(s['vs_baseline'], '.2f', '×')} | "
+            f"{_fmt(s.get('vs_st_mmap'), '.2f', '×')} | {_fmt(s['vs_limit'], '.2f', '×')} |"
         )
     ok = [o for o in result["open_keys"] if "error" not in o]
     if ok:
@@ -783,6 +840,26 @@ def render_markdown(result: Dict[str, Any]) -> str:
     for s in result["summary"]:
         if s["extra"].get("backend"):
             notes.append(f"{s['dataset']}/{s['state']}/{s['contender']}: backend used: {s['extra']['backend']}")
+    kinds = sorted({s["extra"]["fs_kind"] for s in result["summary"] if s["extra"].get("fs_kind")})
+    if kinds:
+        notes.append(f"fuse runs: safeload's residency() saw the files as filesystem kind {', '.join(kinds)}")
+    if sf:
+        for s in result["summary"]:
+            if s["state"] == "fuse" and s["contender"] == "sl_auto" and s["median_gibs"]:
+                a, b = s["vs_baseline"], s.get("vs_st_mmap")
+                met = a is not None and b is not None and a >= SLOW_FS_TARGET and b >= SLOW_FS_TARGET
+                notes.append(
+                    f"issue target on {s['dataset']} (safeload default backend >= {SLOW_FS_TARGET:g}× both "
+                    f"`{BASELINE}` and `{MMAP_BASELINE}` through the slow FS; stated for the full-size ~0.4 GiB sharded "
+                    f"sample): ×st {_fmt(a, '.2f', '×')}, ×st_mmap {_fmt(b, '.2f', '×')}: "
+                    f"**{'met' if met else 'not met'}**" + ("" if result["size"] == "full" else f" (sample size {result['size']})"))
+    orders = result.get("orders") or []
+    if orders:
+        notes.append(f"order: each round runs its contenders in its own order, a shuffle seeded by --seed "
+                     f"{result.get('seed', 0)} (different from the state's earlier rounds where possible; every round's "
+                     "order is in results.json `orders`), because memory one process just freed is much faster to fault in "
+                     "than fresh memory and a fixed order favours whoever follows the largest load")
+        notes.append(f"settle: the harness sleeps {result.get('settle_s', 0):g} s before every measured run (--settle)")
     inflated = [s for s in result["summary"] if s["median_peak_rss_mib"] and s["extra"].get("median_vmhwm_mib")
                 and s["median_peak_rss_mib"] > 1.05 * s["extra"]["median_vmhwm_mib"] + 8]
     if inflated:
@@ -805,7 +882,7 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed: no plot written (pip install matplotlib)"
     rows = [s for s in result["summary"] if s["median_gibs"] is not None]
-    groups = sorted({(s["dataset"], s["state"]) for s in rows}, key=lambda g: (g[0], g[1] != "warm"))
+    groups = sorted({(s["dataset"], s["state"]) for s in rows}, key=lambda g: (g[0], ("warm", "cold", "fuse").index(g[1])))
     fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.2 + 0.35 * max(len(rows) // max(len(groups), 1), 1) * len(groups)),
                              squeeze=False)
     for ax, (ds, state) in zip(axes[:, 0], groups):
@@ -854,13 +931,83 @@ def _environment(threads: int, chunk_bytes: Optional[int]) -> Dict[str, Any]:
     }
 
 
+def _mount_root(ds: Dataset) -> str:
+    """The directory the slow-FS mount mirrors: the one holding the dataset's files (and index)."""
+    paths = [os.path.realpath(f) for f in ds.files] + ([os.path.realpath(ds.index)] if ds.index else [])
+    root = os.path.commonpath(paths)
+    return root if os.path.isdir(root) else os.path.dirname(root)
+
+
+@contextlib.contextmanager
+def _slow_mounts(datasets: Sequence[Dataset], latency: float, log: Callable[[str], None]) -> Any:
+    """Mounts each dataset's directory through slowfs (once, for the whole run) and yields the
+    datasets with every path rewritten to go through its mount; unmounts on exit, also on error,
+    Ctrl-C (KeyboardInterrupt) or SIGTERM/SIGHUP (turned into KeyboardInterrupt meanwhile)."""
+    from . import slowfs
+
+    why = slowfs.fuse_unavailable()
+    if why:
+        raise SystemExit(f"--slow-fs: no FUSE mount possible here: {why}")
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            saved[sig] = signal.signal(sig, interrupt)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    tmp = tempfile.mkdtemp(prefix="safeload-bench-slowfs-")
+    try:
+        with contextlib.ExitStack() as stack:
+            out: List[Dataset] = []
+            for i, ds in enumerate(datasets):
+                root = _mount_root(ds)
+                mp = os.path.join(tmp, f"{i}-{ds.name}")
+                log(f"mounting {root} at {mp} through slowfs (+{latency * 1e3:g} ms per read request)")
+                stack.enter_context(slowfs.mounted(root, mp, "--latency", repr(latency)))
+
+                def moved(f: str, root: str = root, mp: str = mp) -> str:
+                    return os.path.join(mp, os.path.relpath(os.path.realpath(f), root))
+
+                out.append(Dataset(ds.name, [moved(f) for f in ds.files], index=moved(ds.index) if ds.index else None,
+                                   sharded=ds.sharded, note=f"through slowfs mount {mp} of {root}",
+                                   tensor_count=ds.tensor_count, mountpoint=mp))
+            yield out
+            log("unmounting slowfs")
+    finally:
+        # rmdir, never a recursive delete: a mount that failed to go away must not be walked into
+        for d in [os.path.join(tmp, n) for n in os.listdir(tmp)] + [tmp]:
+            try:
+                os.rmdir(d)
+            except OSError as e:
+                log(f"could not remove {d}: {e}")
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _round_order(active: Sequence[str], seed: int, ds: str, state: str, rnd: int, seen: List[Tuple[str, ...]]) -> List[str]:
+    """This round's contender order: a shuffle seeded by (seed, dataset, state, round), redrawn
+    (a bounded number of times) while it repeats an earlier round's order of the same state."""
+    rng = random.Random(f"{seed}:{ds}:{state}:{rnd}")
+    order = list(active)
+    for _ in range(100):
+        rng.shuffle(order)
+        if tuple(order) not in seen:
+            break
+    seen.append(tuple(order))
+    return order
+
+
 def build_parser(prog: str = "safeload bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark safeload against safetensors 0.8 and the machine's copy/read limits.")
     p.add_argument("files", nargs="*", help="checkpoints to bench (a .safetensors file, a directory, or an index.json); "
                    "default: sample checkpoints written to --data-dir")
     p.add_argument("--size", choices=("full", "small"), default="full", help="sample size (small: ~10x smaller, for quick runs)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cache state (default 3)")
-    p.add_argument("--datasets", default="llama,small,sharded", help="samples to run: llama,small,sharded")
+    p.add_argument("--datasets", default=None, help="samples to run: llama,small,sharded (default: all three; "
+                   "'sharded' alone with --slow-fs, the ~0.4 GiB sharded checkpoint the slow-FS target names)")
     p.add_argument("--contenders", default=None, help="comma list of contender names or globs (e.g. 'sl_*,st_get_tensors,ref_*'); "
                    "known: " + ", ".join(CONTENDERS))
     p.add_argument("--threads", type=int, default=None, help="safeload threads and reference threads (default: safeload's default)")
@@ -868,6 +1015,13 @@ def build_parser(prog: str = "safeload bench") -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="bench-data", help="where sample checkpoints live (default ./bench-data)")
     p.add_argument("--cold", dest="cold", action="store_true", default=True, help="also run cold-cache rounds (default)")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="warm cache only")
+    p.add_argument("--slow-fs", type=float, nargs="?", const=DEFAULT_SLOW_FS_LATENCY, default=None, metavar="LATENCY_S",
+                   help="read every file through a safeload.slowfs FUSE mount of its dataset's directory that adds "
+                   f"LATENCY_S per read request (default {DEFAULT_SLOW_FS_LATENCY:g}); replaces the warm/cold states with "
+                   "one state, 'fuse' (put file arguments before the flag or write --slow-fs=LATENCY_S)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-round contender order shuffle (default 0)")
+    p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS",
+                   help="sleep before every measured run so freed memory settles (default 1.0)")
     p.add_argument("--no-verify", dest="verify", action="store_false", default=True, help="skip the byte-equality check")
     p.add_argument("--out", default=None, help="directory for results.md and results.json")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart (needs matplotlib)")
@@ -878,7 +1032,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "safeload bench") -> 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--worker":
         return worker_main(argv[1])
-    args = build_parser(prog).parse_args(argv)
+    try:
+        return _main(build_parser(prog).parse_args(argv))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP under --slow-fs: mounts are gone by now
+        _log(f"interrupted{f' ({e})' if str(e) else ''}: no results written")
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
 
@@ -892,55 +1053,89 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "safeload bench") -> 
     if args.files:
         datasets = datasets_from_paths(args.files)
     else:
-        names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+        default = "sharded" if args.slow_fs is not None else "llama,small,sharded"
+        names = [n.strip() for n in (args.datasets or default).split(",") if n.strip()]
         datasets = prepare_samples(args.data_dir, args.size, names, _log)
-    states = ["warm"] + (["cold"] if args.cold else [])
+    if args.slow_fs is not None:
+        if args.slow_fs < 0:
+            raise SystemExit("--slow-fs latency must be >= 0")
+        states = ["fuse"]
+    else:
+        states = ["warm"] + (["cold"] if args.cold else [])
     notes: List[str] = []
     runs: List[Dict[str, Any]] = []
+    orders: List[Dict[str, Any]] = []
     open_keys: List[Dict[str, Any]] = []
     ds_info: List[Dict[str, Any]] = []
     base_spec = {"threads": args.threads, "chunk_bytes": args.chunk_bytes, "ref_threads": threads}
 
-    for ds in datasets:
-        info: Dict[str, Any] = {"name": ds.name, "files": ds.files, "index": ds.index, "bytes": ds.nbytes, "tensors": ds.tensor_count}
-        ds_info.append(info)
-        _log(f"== {ds.name}: {len(ds.files)} file(s), {ds.nbytes / GIB:.3f} GiB")
-        spec0 = dict(base_spec, files=ds.files, index=ds.index)
-        if args.verify:
-            _log("   byte-equality check ...")
-            info["verify"] = run_worker(dict(spec0, mode="verify"))
-            if info["verify"].get("tensors"):
-                info["tensors"] = info["verify"]["tensors"]
-            if "error" not in info["verify"] and not info["verify"].get("equal"):
-                _log(f"   !! safeload differs from safetensors: {info['verify']}")
-        ok = run_worker(dict(spec0, mode="openkeys"))
-        ok["dataset"] = ds.name
-        open_keys.append(ok)
-        for state in states:
-            active = [c for c in contenders if _applies(c, ds, state)]
-            if not active:
-                continue
-            if state == "warm":
-                _prewarm(ds.files)
-            for r in range(args.rounds):
-                for c in active:
-                    res = run_worker(dict(spec0, mode="measure", contender=c, cold=(state == "cold")))
-                    res.update(dataset=ds.name, state=state, round=r, contender=c)
-                    runs.append(res)
-                    if "error" in res or "skipped" in res:
-                        _log(f"   {state} r{r} {c:<20} {res.get('error') or res.get('skipped')}")
-                    else:
-                        _log(f"   {state} r{r} {c:<20} {res['bytes'] / res['seconds'] / GIB:7.2f} GiB/s  "
-                             f"{res['seconds']:.3f} s  peak RSS {res['peak_rss_kib'] / 1024:.0f} MiB")
+    with contextlib.ExitStack() as stack:
+        if args.slow_fs is not None:
+            for ds in datasets:  # the daemon reads these: keep them warm so the mount's latency is what counts
+                _prewarm(ds.files + ([ds.index] if ds.index else []))
+            targets = stack.enter_context(_slow_mounts(datasets, args.slow_fs, _log))
+        else:
+            targets = datasets
+        for src, ds in zip(datasets, targets):
+            info: Dict[str, Any] = {"name": ds.name, "files": src.files, "index": src.index, "bytes": src.nbytes,
+                                    "tensors": ds.tensor_count}
+            if ds is not src:
+                info["read_through"] = {"files": ds.files, "index": ds.index, "mount_of": _mount_root(src),
+                                        "latency_s": args.slow_fs}
+            ds_info.append(info)
+            _log(f"== {ds.name}: {len(ds.files)} file(s), {src.nbytes / GIB:.3f} GiB" + (f" ({ds.note})" if ds.note else ""))
+            spec0 = dict(base_spec, files=ds.files, index=ds.index)
+            if args.verify:
+                _log("   byte-equality check ...")
+                info["verify"] = run_worker(dict(spec0, mode="verify"))
+                if info["verify"].get("tensors"):
+                    info["tensors"] = info["verify"]["tensors"]
+                if "error" not in info["verify"] and not info["verify"].get("equal"):
+                    _log(f"   !! safeload differs from safetensors: {info['verify']}")
+            ok = run_worker(dict(spec0, mode="openkeys"))
+            ok["dataset"] = ds.name
+            open_keys.append(ok)
+            for state in states:
+                active = [c for c in contenders if _applies(c, ds, state)]
+                if not active:
+                    continue
+                if state == "warm":
+                    _prewarm(ds.files)
+                seen: List[Tuple[str, ...]] = []
+                for r in range(args.rounds):
+                    order = _round_order(active, args.seed, ds.name, state, r, seen)
+                    orders.append({"dataset": ds.name, "state": state, "round": r, "order": order})
+                    _log(f"   {state} r{r} order: {' '.join(order)}")
+                    for pos, c in enumerate(order):
+                        if args.settle > 0:
+                            time.sleep(args.settle)
+                        if ds.mountpoint and not os.path.ismount(ds.mountpoint):
+                            raise SystemExit(f"the slowfs mount {ds.mountpoint} went away (its daemon died?): stopping")
+                        res = run_worker(dict(spec0, mode="measure", contender=c, cold=(state == "cold"),
+                                              fuse=(state == "fuse")))
+                        res.update(dataset=ds.name, state=state, round=r, position=pos, contender=c)
+                        runs.append(res)
+                        if "error" in res or "skipped" in res:
+                            _log(f"   {state} r{r} {c:<20} {res.get('error') or res.get('skipped')}")
+                        else:
+                            _log(f"   {state} r{r} {c:<20} {res['bytes'] / res['seconds'] / GIB:7.2f} GiB/s  "
+                                 f"{res['seconds']:.3f} s  peak RSS {res['peak_rss_kib'] / 1024:.0f} MiB"
+                                 + (f"  backend {res['backend']}" if res.get("backend") else ""))
     summary = [s.__dict__ for s in summarize(runs)]
     order = {c: i for i, c in enumerate(CONTENDERS)}
     ds_order = {d.name: i for i, d in enumerate(datasets)}
-    summary.sort(key=lambda s: (ds_order.get(s["dataset"], 0), s["state"] != "warm", order.get(s["contender"], 99)))
+    state_order = {"warm": 0, "cold": 1, "fuse": 2}
+    summary.sort(key=lambda s: (ds_order.get(s["dataset"], 0), state_order.get(s["state"], 9), order.get(s["contender"], 99)))
     result: Dict[str, Any] = {
         "environment": _environment(threads, args.chunk_bytes),
         "size": "files" if args.files else args.size,
         "rounds": args.rounds,
+        "seed": args.seed,
+        "settle_s": args.settle,
+        "slow_fs": {"latency_s": args.slow_fs, "fuse_state": "page cache dropped by FUSE at each open"}
+        if args.slow_fs is not None else None,
         "states": states,
+        "orders": orders,
         "datasets": ds_info,
         "summary": summary,
         "open_keys": open_keys,
