@@ -14,14 +14,18 @@ from ._safeload import (  # noqa: F401
     serialize,
     serialize_file,
 )
+from .patch import patch, patched, unpatch  # noqa: F401,E402  (rebinds safeload.patch to the function)
 
 __all__ = [
     "SafetensorError",
     "TensorSpec",
     "__version__",
     "deserialize",
+    "patch",
+    "patched",
     "safe_open",
     "_safe_open_handle",
     "serialize",
     "serialize_file",
+    "unpatch",
 ]

@@ -1,7 +1,8 @@
-"""The ``safeload`` command: ``safeload bench ...`` and ``safeload inspect FILE``.
+"""The ``safeload`` command: ``bench``, ``inspect``, ``verify``, ``patch-install``.
 
 Also reachable as ``python -m safeload``.  Subcommands import what they need lazily, so
-``safeload --help`` does not import torch.
+``safeload --help`` does not import torch.  Exit status: 0 success, 1 a file failed (or could
+not be read), 2 usage errors.
 """
 
 from __future__ import annotations
@@ -12,21 +13,61 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-# name -> one-line help; "verify" is reserved for a later release.
+PTH_NAME = "safeload_autopatch.pth"  # = safeload.patch.PTH_NAME (not imported: --help stays cheap)
+
+# name -> one-line help
 COMMANDS = {
     "bench": "benchmark safeload against safetensors (see `safeload bench --help`)",
     "inspect": "print a file's metadata and tensor table (name, dtype, shape, offsets, bytes)",
+    "verify": "fully validate files: header rules, every tensor read, pread and mmap reads agree",
+    "patch-install": "install the SAFELOAD_PATCH=1 startup hook (.pth) into site-packages",
 }
+
+_VERIFY_DESCRIPTION = """\
+Fully validates each FILE: opens it (every header rule is checked), reads every tensor with
+the parallel pread backend, and compares each tensor byte for byte against a second read
+through mmap. Prints one line per file:
+
+  OK path (N tensors, X GiB, pread, R GiB/s)     R: the pread read rate
+  FAIL path: message
+
+Exit status: 0 when every file is OK, 1 when any file fails, 2 on usage errors."""
+
+_PATCH_INSTALL_DESCRIPTION = f"""\
+Writes {PTH_NAME} into site-packages (or --target). Python runs it at every start; it costs
+one environment lookup unless SAFELOAD_PATCH is set, and with SAFELOAD_PATCH=1 it calls
+safeload.patch(), so that safetensors.safe_open, safetensors.torch.load_file / load /
+load_model and safetensors.numpy.load_file (and every name imported from them, e.g. in
+transformers) read through safeload. SAFELOAD_PATCH=<backend> (auto, pread, direct, mmap) also
+forces that backend. Wheels install this hook already; use this command for editable or
+development installs. --remove deletes it."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="safeload", description="safeload: a parallel, strict safetensors reader.")
+    p = argparse.ArgumentParser(
+        prog="safeload",
+        description="safeload: a parallel, strict safetensors reader.",
+        epilog="`safeload COMMAND --help` describes each command. "
+        "Exit status: 0 success, 1 a file failed, 2 usage error.",
+    )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("bench", help=COMMANDS["bench"], add_help=False)
-    ins = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"])
+    ins = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"]
+                         + ". Reads only the header.")
     ins.add_argument("file", help="a .safetensors file")
-    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ins.add_argument("--json", action="store_true",
+                     help="print one JSON object (path, file_bytes, data_start, metadata, tensor_count, "
+                          "data_bytes, tensors: [{name, dtype, shape, begin, end, bytes}]) instead of a table")
+    ver = sub.add_parser("verify", help=COMMANDS["verify"], description=_VERIFY_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ver.add_argument("files", nargs="+", metavar="FILE", help="a .safetensors file")
+    ver.add_argument("--threads", type=int, default=None, help="pread worker threads (default: automatic)")
+    pin = sub.add_parser("patch-install", help=COMMANDS["patch-install"], description=_PATCH_INSTALL_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    pin.add_argument("--target", metavar="DIR", default=None,
+                     help="directory to write to (default: this interpreter's site-packages)")
+    pin.add_argument("--remove", action="store_true", help="remove the hook instead of installing it")
     return p
 
 
@@ -84,6 +125,95 @@ def inspect_file(path: str, as_json: bool = False, out: Any = None) -> int:
     return 0
 
 
+# -- verify ---------------------------------------------------------------------------------
+
+#: Tensors are read (pread) and compared in batches of about this many bytes, so that verifying
+#: a file larger than memory holds at most one batch.
+VERIFY_BATCH_BYTES = 1 << 30
+
+
+def _same(a: Any, b: Any) -> bool:
+    ma, mb = memoryview(a).cast("B"), memoryview(b).cast("B")
+    if len(ma) != len(mb):
+        return False
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return ma == mb
+    return bool(np.array_equal(np.frombuffer(ma, np.uint8), np.frombuffer(mb, np.uint8)))
+
+
+def verify_file(path: str, threads: Optional[int] = None) -> str:
+    """Verifies one file; returns its ``OK ...`` line, raises on any failure."""
+    from ._safeload import Handle, SafetensorError
+
+    if os.path.isdir(path):
+        raise SafetensorError("is a directory")
+    primary = Handle(path, "pread", threads=threads)
+    mirror = Handle(path, "mmap")
+    try:
+        infos = primary.infos()
+        names = [n for n, *_ in infos]
+        if mirror.offset_keys() != names or mirror.infos() != infos:
+            raise SafetensorError("pread and mmap handles disagree on the header")
+        batch: List[str] = []
+        size = 0
+        batches: List[List[str]] = []
+        for name, _code, _shape, begin, end in infos:
+            batch.append(name)
+            size += end - begin
+            if size >= VERIFY_BATCH_BYTES:
+                batches.append(batch)
+                batch, size = [], 0
+        if batch:
+            batches.append(batch)
+        total = 0
+        for names_ in batches:
+            for name, code, shape, data in primary.read_many(names_):
+                _, m_code, m_shape, m_data = mirror.read(name)
+                if (m_code, list(m_shape)) != (code, list(shape)):
+                    raise SafetensorError(f"tensor {name!r}: pread and mmap disagree on dtype/shape")
+                if not _same(data, m_data):
+                    raise SafetensorError(f"tensor {name!r}: pread and mmap bytes differ")
+                total += len(memoryview(data))
+                del data, m_data
+        nbytes, seconds, _threads, _ = primary.stats()
+        backend = primary.backend
+    finally:
+        primary.close()
+        mirror.close()
+    rate = nbytes / seconds / 2**30 if seconds else 0.0
+    return f"OK {path} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {backend}, {rate:.2f} GiB/s)"
+
+
+def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:
+    out = out or sys.stdout
+    failed = 0
+    for path in paths:
+        try:
+            line = verify_file(path, threads=threads)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the rest still run
+            failed += 1
+            message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            line = f"FAIL {path}: {message or type(exc).__name__}"
+        out.write(line + "\n")
+        out.flush()
+    return 1 if failed else 0
+
+
+def patch_install(target: Optional[str], remove: bool, out: Any = None) -> int:
+    from .patch import install_hook, uninstall_hook
+
+    out = out or sys.stdout
+    if remove:
+        removed = uninstall_hook(target)
+        out.write(f"removed {removed}\n" if removed else "no startup hook installed\n")
+        return 0
+    path = install_hook(target)
+    out.write(f"wrote {path}\nset SAFELOAD_PATCH=1 to route safetensors through safeload\n")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `bench` owns its arguments (and its --help): hand everything after it over untouched.
@@ -98,12 +228,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(f"safeload {__version__}")
         return 0
-    if args.command == "inspect":
-        try:
-            return inspect_file(args.file, as_json=args.json)
-        except BrokenPipeError:  # `safeload inspect f | head`
-            sys.stderr.close()
-            return 0
+    try:
+        if args.command == "inspect":
+            from ._safeload import SafetensorError
+
+            try:
+                return inspect_file(args.file, as_json=args.json)
+            except BrokenPipeError:
+                raise
+            except (OSError, SafetensorError) as exc:
+                message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                print(f"safeload inspect: {args.file}: {message}", file=sys.stderr)
+                return 1
+        if args.command == "verify":
+            if args.threads is not None and args.threads < 1:
+                parser.error("--threads must be at least 1")
+            return verify_files(args.files, threads=args.threads)
+        if args.command == "patch-install":
+            return patch_install(args.target, args.remove)
+    except BrokenPipeError:  # `safeload inspect f | head`
+        sys.stderr.close()
+        return 0
     parser.print_help()
     return 2
 
