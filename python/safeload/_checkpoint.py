@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from . import _device
+from . import _device, _logging
 from ._frameworks import CONVERTERS, FRAMEWORKS
 from ._open import Stats, resolve_backend
 from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
@@ -100,6 +100,7 @@ def load_checkpoint(
             for name, code, shape, data in tensors:
                 _add(out, name, convert(name, code, shape, data))
         stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
+    _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
 
 

@@ -6,7 +6,7 @@ import operator
 import os
 from typing import Any, Dict, List, Optional
 
-from . import _device
+from . import _device, _logging
 from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 
@@ -157,6 +157,7 @@ class safe_open:
     def get_tensors(self) -> Dict[str, Any]:
         """Reads every tensor at once with the parallel reader; dict in file order."""
         tensors = MANY[self._framework](self._handle.read_many())
+        _logging.log_read(self._handle.path, self, "get_tensors")
         if self._device is not None:
             tensors = {name: t.to(self._device) for name, t in tensors.items()}
         return tensors
