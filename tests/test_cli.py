@@ -202,8 +202,10 @@ def test_log_read(sample, caplog):
         with safeload.safe_open(sample, "np", backend="pread") as f:
             f.get_tensors()
             log_read(sample, f, "get_tensors")  # a handle: its .stats
-    first, second, third = (r.getMessage() for r in caplog.records[-3:])
-    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-3:])
+    # get_tensors logs its own read too: explicit, explicit, automatic, explicit.
+    first, second, automatic, third = (r.getMessage() for r in caplog.records[-4:])
+    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-4:])
+    assert automatic == third
     assert first == (f"get_tensors {sample}: backend=pread threads=4 chunk=1.00 MiB read=3.00 GiB in 1.500s "
                      "(2.00 GiB/s) storage=ext4")
     assert second.startswith(f"load_checkpoint 2 files ({sample}, ...): backend=direct")

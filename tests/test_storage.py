@@ -141,6 +141,11 @@ def test_fuse_mount_is_detected_and_read_in_parallel(mount, sample):
             assert f._handle.storage == "fuse"
             assert f.backend == "pread"  # never mmap on a network filesystem
             assert_equal(f.get_tensors(), want)
+            stats = f.stats
+            chunks = -(-stats.bytes_read // stats.chunk_bytes)
+            assert stats.threads == min(16, chunks)  # network: up to 16 requests in flight
+        with safeload.safe_open(path, "pt", chunk_bytes=1 << 20) as f:
+            f.get_tensors()
             assert f.stats.threads >= 8
         with safetensors.safe_open(path, "pt") as f:
             assert set(f.keys()) == set(want)
