@@ -25,7 +25,6 @@ pub struct ReadOptions {
     pub drop_cache: bool,
 }
 
-
 pub struct Source {
     pub path: PathBuf,
     pub file: File,
@@ -290,6 +289,44 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
         }),
         own_fds: network.is_some(),
     }
+}
+
+/// Reads `len` bytes of tensor data starting `offset` bytes into the data area into `dest`
+/// (used to fill accelerator staging buffers). The range must lie within the data area.
+///
+/// # Safety
+/// `dest` must be valid for writes of `len` bytes, not read or written by anyone else until
+/// this returns.
+pub unsafe fn read_data_into(
+    source: &Source,
+    offset: u64,
+    len: usize,
+    dest: *mut u8,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<Report> {
+    let end = offset.checked_add(len as u64);
+    if end.is_none_or(|end| end > source.header.data_len()) {
+        return Err(Error::Slice(format!(
+            "byte range {offset}+{len} is outside the data area ({} bytes) of {}",
+            source.header.data_len(),
+            source.path.display()
+        )));
+    }
+    let name = source
+        .header
+        .tensors
+        .iter()
+        .find(|t| (t.begin as u64) <= offset && offset < t.end as u64)
+        .map_or("<data>", |t| t.name.as_str());
+    let mut plan = Plan::new(chunk_bytes(&[source], opts));
+    plan.add(0, source.header.data_start() + offset, dest, len, name);
+    engine::execute(
+        &[source.input(Strategy::Pread)],
+        &plan,
+        settings(&[source], opts),
+        poll,
+    )
 }
 
 /// Reads tensors of one or more sources with one worker pool, in (source, offset) order, with

@@ -318,6 +318,29 @@ impl Handle {
         self.read_infos(py, &source, infos)
     }
 
+    /// Reads `length` bytes from `offset` bytes into the data area straight into memory at
+    /// `address` (a pinned staging buffer), GIL released. Returns bytes read.
+    ///
+    /// The caller guarantees `address` points at `length` writable bytes that nothing else
+    /// touches during the call (safeload's staging code passes buffers it owns).
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        address: usize,
+        offset: u64,
+        length: usize,
+    ) -> PyResult<u64> {
+        let source = self.source()?;
+        let opts = self.opts;
+        let s: &Source = &source;
+        // SAFETY: the caller's contract above; the range is checked against the file.
+        let report = detached(py, |poll| unsafe {
+            source::read_data_into(s, offset, length, address as *mut u8, &opts, poll)
+        })?;
+        self.record(&report);
+        Ok(report.bytes)
+    }
+
     /// `tensor[indices]`: indices are ints and (start, stop, step) tuples, `...` already expanded.
     /// Returns (dtype, shape, bytes); only the needed byte ranges are read.
     fn read_slice(
