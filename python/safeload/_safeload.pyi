@@ -1,7 +1,24 @@
 """Types of the Rust extension module ``safeload._safeload``."""
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "Bytes",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_THREADS",
+    "Handle",
+    "SafetensorError",
+    "TensorSpec",
+    "__version__",
+    "deserialize",
+    "read_checkpoint",
+    "residency",
+    "serialize",
+    "serialize_file",
+]
 
 __version__: str
 DEFAULT_CHUNK_BYTES: int
@@ -9,6 +26,7 @@ DEFAULT_THREADS: int
 
 class SafetensorError(Exception): ...
 
+@final
 class Bytes:
     """Tensor bytes exposing the buffer protocol (writable, owned)."""
 
@@ -18,16 +36,17 @@ class Bytes:
 
 _TensorTuple = Tuple[str, str, List[int], Bytes]
 
+@final
 class Handle:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         path: Union[str, os.PathLike[str]],
         backend: str = "auto",
         *,
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         drop_cache: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def backend(self) -> str: ...
     @property
@@ -67,8 +86,9 @@ def read_checkpoint(
 
 def residency(path: Union[str, os.PathLike[str]]) -> Tuple[Optional[float], str]: ...
 
+@final
 class TensorSpec:
-    def __init__(self, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int) -> None: ...
+    def __new__(cls, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int) -> Self: ...
     @property
     def dtype(self) -> str: ...
     @property
