@@ -289,10 +289,28 @@ def load_model(
     return missing, unexpected  # type: ignore[return-value]
 
 
-def load_checkpoint(path_or_paths: Any, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND, **kwargs: Any) -> Any:
+def load_checkpoint(
+    path_or_paths: Any,
+    device: Any = "cpu",
+    *,
+    backend: str = DEFAULT_BACKEND,
+    process_group: Any = None,
+    plan: Optional[Dict[str, Any]] = None,
+    ranks_needing: Optional[Dict[str, Iterable[int]]] = None,
+    **kwargs: Any,
+) -> Any:
     """Loads a whole checkpoint: a file, a list of shards, a directory, or an index.json, with
     every shard read through one worker pool. Keywords: threads, chunk_bytes, drop_cache,
-    progress, return_stats (see :func:`safeload._checkpoint.load_checkpoint`)."""
+    progress, return_stats (see :func:`safeload._checkpoint.load_checkpoint`).
+
+    ``process_group`` (a torch.distributed group), ``ranks_needing``, ``selection`` or ``plan``
+    (per-rank slices): the ranks split the read and exchange tensors with the group's
+    collectives, see :mod:`safeload.distributed`."""
+    if process_group is not None or plan is not None or ranks_needing is not None or "selection" in kwargs:
+        from . import distributed
+
+        return distributed.load_checkpoint(path_or_paths, device, backend=backend, process_group=process_group,
+                                           plan=plan, ranks_needing=ranks_needing, **kwargs)
     return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, backend=backend, **kwargs)
 
 

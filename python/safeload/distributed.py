@@ -1,0 +1,489 @@
+"""Multi-process checkpoint loading on ``torch.distributed``.
+
+``safeload.torch.load_checkpoint(path, process_group=pg)`` splits the read between the ranks of
+``pg``: the tensors, in (shard, offset) order, are cut into one contiguous run per rank with
+about the same number of bytes, each rank reads its run with safeload's engine, and the group's
+collectives (``broadcast``, or ``send``/``recv`` when only some ranks want a tensor) give every
+rank the tensors it needs. Works with gloo (exchanges CPU tensors) and NCCL (exchanges CUDA
+tensors on the current CUDA device).
+
+* ``ranks_needing={name: [group ranks]}``: who needs each tensor (names absent: every rank);
+  ``selection=[names]``: the names this rank wants (gathered from every rank). A tensor no rank
+  needs is not read; one needed by a single rank is read by that rank.
+* ``plan={name: index}``: per-rank slices (``index`` as ``get_slice`` takes it, e.g.
+  ``(slice(None), slice(c0, c1))``), each rank reads only the byte ranges its slices need; no
+  tensor is exchanged (with a ``process_group``, the ranks only agree on failures).
+
+A rank whose planning or read fails makes every rank raise :class:`SafetensorError` naming the
+failing rank, rather than leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from . import _device, _logging
+from ._checkpoint import resolve
+from ._frameworks import to_torch, torch_dtype, torch_shape
+from ._open import Stats, _expand, resolve_backend
+from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
+
+__all__ = ["load_checkpoint", "assign_owners"]
+
+#: Tensors smaller than this are exchanged in batches (one message per batch, not per tensor).
+SMALL_BYTES = 1 << 20
+#: Largest batch of small tensors in one message.
+BUCKET_BYTES = 32 << 20
+#: Each rank reads its share in batches of about this many bytes; batch k of every rank is sent
+#: while batch k + 1 is read.
+BATCH_BYTES = 64 << 20
+
+
+class _Entry:
+    __slots__ = ("file", "name", "code", "shape", "begin", "end", "dtype", "tshape", "owner", "needing")
+
+    def __init__(self, file: int, name: str, code: str, shape: List[int], begin: int, end: int) -> None:
+        self.file = file
+        self.name = name
+        self.code = code
+        self.shape = shape
+        self.begin = begin
+        self.end = end
+        self.dtype: Any = None
+        self.tshape: List[int] = []
+        self.owner = -1
+        self.needing: Tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def _entries(paths: Sequence[str]) -> List[_Entry]:
+    """Every tensor of every shard, in (shard, offset) order, with its torch dtype."""
+    out: List[_Entry] = []
+    seen: Dict[str, str] = {}
+    for i, p in enumerate(paths):
+        h = Handle(p, "pread")
+        try:
+            infos = sorted(h.infos(), key=lambda t: t[3])
+        finally:
+            h.close()
+        for name, code, shape, begin, end in infos:
+            if name in seen:
+                raise SafetensorError(f"tensor {name} appears in more than one shard ({seen[name]} and {p})")
+            seen[name] = p
+            e = _Entry(i, name, code, list(shape), begin, end)
+            e.dtype = torch_dtype(code, name)
+            e.tshape = torch_shape(code, shape)
+            out.append(e)
+    return out
+
+
+def _digest(paths: Sequence[str], entries: Sequence[_Entry]) -> str:
+    """What every rank must agree on: shard names and each tensor's place, dtype and shape."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.path.basename(p).encode() + b"\0")
+    for e in entries:
+        h.update(f"{e.file}|{e.name}|{e.code}|{e.shape}|{e.begin}|{e.end}\n".encode())
+    return h.hexdigest()
+
+
+def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[int]] = None) -> List[int]:
+    """The rank reading each item (in offset order): contiguous runs, balanced by bytes.
+
+    ``preset`` (optional) gives a fixed owner (>= 0) for some items, e.g. a tensor only one
+    rank needs; the others are split so that every rank's total is as close to an equal share
+    as contiguous runs allow (an item goes to the rank whose byte range holds its midpoint)."""
+    owners = list(preset) if preset is not None else [-1] * len(sizes)
+    load = [0] * world
+    for size, owner in zip(sizes, owners):
+        if owner >= 0:
+            load[owner] += size
+    free = [i for i, o in enumerate(owners) if o < 0]
+    free_total = sum(sizes[i] for i in free)
+    if not free:
+        return owners
+    target = (sum(load) + free_total) / world
+    room = [max(0.0, target - load[r]) for r in range(world)]
+    room_total = sum(room) or 1.0
+    scale = free_total / room_total if free_total else 0.0
+    bounds, acc = [], 0.0
+    for r in range(world):
+        acc += room[r] * scale
+        bounds.append(acc)
+    rank, done = 0, 0
+    for i in free:
+        mid = done + sizes[i] / 2
+        while rank < world - 1 and mid >= bounds[rank]:
+            rank += 1
+        owners[i] = rank
+        done += sizes[i]
+    return owners
+
+
+# -- collectives helpers -------------------------------------------------------------------------
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise SafetensorError("torch.distributed is not available in this torch build")
+    return dist
+
+
+def _group(process_group: Any) -> Any:
+    dist = _dist()
+    if not dist.is_initialized():
+        raise SafetensorError("load_checkpoint(process_group=...) needs torch.distributed.init_process_group first")
+    return dist.group.WORLD if process_group is None else process_group
+
+
+def _comm_device(dist: Any, group: Any) -> Any:
+    import torch
+
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(dist: Any, group: Any, rank: int, error: Optional[BaseException], payload: Any = None,
+           what: str = "load_checkpoint") -> List[Any]:
+    """Gathers ``(error message, payload)`` from every rank; raises on every rank if any failed."""
+    mine = (None if error is None else f"{type(error).__name__}: {error}", payload)
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        raise SafetensorError(f"{what} failed on {'rank' if len(failed) == 1 else 'ranks'} "
+                              f"{', '.join(str(r) for r, _ in failed)} of the process group ({detail})") from error
+    return [p for _, p in gathered]
+
+
+def _check(dist: Any, group: Any, rank: int, error: Optional[BaseException], comm: Any, what: str,
+           before: Any = None) -> None:
+    """A cheap agreement (one all_reduce of a flag); on failure, every rank raises via _agree.
+    ``before`` runs first on failure (completing async work every rank has posted)."""
+    import torch
+
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=comm)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()):
+        if before is not None:
+            before()
+        _agree(dist, group, rank, error, None, what)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def _read_share(paths: Sequence[str], mine: Sequence[_Entry], backend: str, threads: Optional[int],
+                chunk_bytes: Optional[int], drop_cache: bool) -> Tuple[Dict[str, Any], Tuple[int, float, int, str]]:
+    """Reads this rank's tensors through one worker pool; CPU tensors each owning its memory."""
+    selection: List[Optional[List[str]]] = [[] for _ in paths]
+    for e in mine:
+        selection[e.file].append(e.name)  # type: ignore[union-attr]
+    if not mine:
+        return {}, (0, 0.0, 0, backend)
+    per_file, counters = read_checkpoint(paths, selection, backend=backend, threads=threads,
+                                         chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    out = {}
+    for tensors in per_file:
+        for name, code, shape, data in tensors:
+            out[name] = to_torch(code, shape, data, name)
+    return out, counters
+
+
+def _flat(t: Any) -> Any:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Exchange:
+    """Sends tensors from their owners to the ranks needing them, round by round, with async
+    collectives (so that a round's transfers overlap the next round's reads). Every rank posts
+    the same transfers in the same order; each received tensor owns its own storage."""
+
+    def __init__(self, dist: Any, group: Any, rank: int, comm: Any) -> None:
+        self.dist, self.group, self.rank, self.comm = dist, group, rank, comm
+        world = dist.get_world_size(group)
+        self.everyone = set(range(world))
+        self.glob = [dist.get_global_rank(group, r) for r in range(world)]
+        self.out: Dict[str, Any] = {}
+        self.works: List[Any] = []
+        self.carve: List[Tuple[Any, List[_Entry]]] = []
+
+    def _mine(self, e: _Entry, have: Dict[str, Any]) -> Any:
+        t = self.out.get(e.name)
+        if t is None:
+            t = have[e.name]
+            if t.device != self.comm:
+                t = t.to(self.comm)
+            if self.rank in e.needing:
+                self.out[e.name] = t
+        return t
+
+    def post(self, entries: Sequence[_Entry], have: Dict[str, Any]) -> None:
+        import torch
+
+        dist, rank, comm = self.dist, self.rank, self.comm
+        transfers: List[Tuple[int, Tuple[int, ...], List[_Entry], bool]] = []
+        for e in entries:
+            if e.nbytes == 0:
+                continue
+            if e.owner == rank:
+                self._mine(e, have)
+            receivers = tuple(r for r in e.needing if r != e.owner)
+            if not receivers:
+                continue
+            small = e.nbytes < SMALL_BYTES
+            last = transfers[-1] if transfers else None
+            if (small and last is not None and last[3] and last[0] == e.owner and last[1] == receivers
+                    and sum(x.nbytes for x in last[2]) + e.nbytes <= BUCKET_BYTES):
+                last[2].append(e)
+            else:
+                transfers.append((e.owner, receivers, [e], small))
+        for owner, receivers, items, small in transfers:
+            if owner != rank and rank not in receivers:
+                continue
+            if owner == rank:
+                if small:
+                    buf = torch.cat([_flat(self._mine(e, have)) for e in items])
+                else:
+                    buf = _flat(self._mine(items[0], have))
+            elif small:
+                buf = torch.empty(sum(e.nbytes for e in items), dtype=torch.uint8, device=comm)
+                self.carve.append((buf, items))
+            else:
+                e = items[0]
+                t = torch.empty(e.tshape, dtype=e.dtype, device=comm)
+                self.out[e.name] = t
+                buf = _flat(t)
+            if set(receivers) | {owner} == self.everyone:
+                self.works.append(dist.broadcast(buf, src=self.glob[owner], group=self.group, async_op=True))
+            elif owner == rank:
+                self.works.extend(dist.isend(buf, dst=self.glob[r], group=self.group) for r in receivers)
+            else:
+                self.works.append(dist.irecv(buf, src=self.glob[owner], group=self.group))
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
+
+    def finish(self, entries: Sequence[_Entry]) -> Dict[str, Any]:
+        import torch
+
+        self.wait()
+        for buf, items in self.carve:
+            at = 0
+            for e in items:
+                self.out[e.name] = buf[at:at + e.nbytes].clone().view(e.dtype).view(e.tshape)
+                at += e.nbytes
+        self.carve = []
+        for e in entries:
+            if self.rank in e.needing and e.nbytes == 0:
+                self.out[e.name] = torch.empty(e.tshape, dtype=e.dtype, device=self.comm)
+        return self.out
+
+
+def _rounds(entries: Sequence[_Entry], world: int) -> List[List[_Entry]]:
+    """Round k holds batch k (at most BATCH_BYTES, whole tensors, offset order) of every rank."""
+    per_rank: List[List[List[_Entry]]] = [[] for _ in range(world)]
+    size = [0] * world
+    for e in entries:
+        if e.nbytes == 0:
+            continue
+        batches = per_rank[e.owner]
+        if not batches or (size[e.owner] + e.nbytes > BATCH_BYTES and batches[-1]):
+            batches.append([])
+            size[e.owner] = 0
+        batches[-1].append(e)
+        size[e.owner] += e.nbytes
+    count = max((len(b) for b in per_rank), default=0)
+    rounds: List[List[_Entry]] = []
+    for k in range(count):
+        chosen = {id(e) for b in per_rank if k < len(b) for e in b[k]}
+        rounds.append([e for e in entries if id(e) in chosen])
+    return rounds
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+
+def _needing(entries: Sequence[_Entry], world: int, ranks_needing: Any,
+             selections: Optional[Sequence[Optional[Iterable[str]]]]) -> None:
+    everyone = tuple(range(world))
+    known = {e.name for e in entries}
+    wanted: Dict[str, set] = {}
+    if selections is not None:
+        for r, names in enumerate(selections):
+            if names is None:
+                names = known
+            for n in names:
+                if n not in known:
+                    raise SafetensorError(f"rank {r} selected tensor {n!r}, which the checkpoint does not have")
+                wanted.setdefault(n, set()).add(r)
+    for e in entries:
+        if ranks_needing is not None and e.name in ranks_needing:
+            ranks = sorted({int(r) for r in ranks_needing[e.name]})
+            if any(r < 0 or r >= world for r in ranks):
+                raise SafetensorError(f"ranks_needing[{e.name!r}] = {ranks}: ranks must be in 0..{world - 1}")
+            e.needing = tuple(ranks)
+        elif selections is not None:
+            e.needing = tuple(sorted(wanted.get(e.name, ())))
+        else:
+            e.needing = everyone
+    if ranks_needing is not None:
+        unknown = sorted(set(ranks_needing) - known)
+        if unknown:
+            raise SafetensorError(f"ranks_needing names tensors the checkpoint does not have: {unknown[:5]}")
+
+
+def load_checkpoint(
+    path_or_paths: Any,
+    device: Any = "cpu",
+    *,
+    process_group: Any = None,
+    plan: Optional[Dict[str, Any]] = None,
+    ranks_needing: Optional[Dict[str, Iterable[int]]] = None,
+    selection: Optional[Iterable[str]] = None,
+    backend: str = "auto",
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    drop_cache: bool = False,
+    return_stats: bool = False,
+) -> Any:
+    """A state dict (torch) of a checkpoint read by the ranks of ``process_group`` together.
+
+    Ranks in ``ranks_needing`` are ranks within ``process_group``. ``return_stats``: also
+    return a :class:`~safeload._open.Stats` whose ``bytes_read`` counts the bytes this
+    process read from storage. See the module docstring."""
+    backend = resolve_backend(backend)
+    if backend == "mmap":
+        backend = "auto"  # shares are read into memory the tensors own
+    target = _device.parse(device)
+    if plan is not None:
+        if ranks_needing is not None or selection is not None:
+            raise SafetensorError("plan= reads per-rank slices; it does not combine with ranks_needing/selection")
+        return _load_plan(path_or_paths, target, process_group, plan, backend, threads, chunk_bytes,
+                          drop_cache, return_stats)
+    import torch
+
+    dist = _dist()
+    group = _group(process_group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    comm = _comm_device(dist, group)
+    started = time.perf_counter()
+    error: Optional[BaseException] = None
+    paths: List[str] = []
+    entries: List[_Entry] = []
+    digest = ""
+    dev: Any = None
+    try:
+        dev = _device.torch_device(target)
+        paths = resolve(path_or_paths)
+        entries = _entries(paths)
+        digest = _digest(paths, entries)
+    except Exception as exc:  # every rank must learn of it: see _agree
+        error = exc
+    payload = (digest, None if selection is None else sorted(set(selection)))
+    gathered = _agree(dist, group, rank, error, payload, "load_checkpoint (planning)")
+    if len({d for d, _ in gathered}) != 1:
+        raise SafetensorError("load_checkpoint: the ranks of the process group see different checkpoints "
+                              "(shard names, tensor names, dtypes, shapes or offsets differ)")
+    selections = None if all(s is None for _, s in gathered) else [s for _, s in gathered]
+    rounds: List[List[_Entry]] = []
+    try:
+        _needing(entries, world, ranks_needing, selections)
+        entries = [e for e in entries if e.needing]
+        preset = [e.needing[0] if len(e.needing) == 1 else -1 for e in entries]
+        for e, o in zip(entries, assign_owners([e.nbytes for e in entries], world, preset)):
+            e.owner = o
+        rounds = _rounds(entries, world)
+        error = None
+    except Exception as exc:
+        error = exc
+    _check(dist, group, rank, error, comm, "load_checkpoint (planning)")
+    exchange = _Exchange(dist, group, rank, comm)
+    nbytes, seconds, used_threads, used = 0, 0.0, 0, backend
+    for batch in rounds:
+        have: Dict[str, Any] = {}
+        try:
+            have, (b, t, n, used_now) = _read_share(paths, [e for e in batch if e.owner == rank], backend,
+                                                threads, chunk_bytes, drop_cache)
+            nbytes, seconds, used_threads = nbytes + b, seconds + t, max(used_threads, n)
+            used = used_now if b else used
+            error = None
+        except Exception as exc:
+            error = exc
+        _check(dist, group, rank, error, comm, "load_checkpoint (read)", exchange.wait)
+        exchange.post(batch, have)
+        del have
+    out = exchange.finish(entries)
+    if dev != comm:
+        out = {k: v.to(dev) for k, v in out.items()}
+    state = {e.name: out[e.name] for e in entries if e.name in out}
+    stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
+    _logging.log_read(paths, stats, f"load_checkpoint(rank {rank}/{world}, {time.perf_counter() - started:.3f}s)")
+    return (state, stats) if return_stats else state
+
+
+def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,
+               threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool) -> Any:
+    """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need."""
+    started = time.perf_counter()
+    out: Dict[str, Any] = {}
+    nbytes, used, used_threads, paths = 0, backend, 0, []
+    error: Optional[BaseException] = None
+    try:
+        paths = resolve(path_or_paths)
+        wanted = dict(plan)
+        for p in paths:
+            if not wanted:
+                break
+            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+            try:
+                here = [n for n in h.offset_keys() if n in wanted]
+                sliced = 0
+                for name in here:
+                    index = wanted.pop(name)
+                    code, shape = h.info(name)
+                    key = (Ellipsis,) if index is None else index
+                    rcode, rshape, data = h.read_slice(name, _expand(key, len(shape)))
+                    out[name] = to_torch(rcode, rshape, data, name)
+                    sliced += len(data)
+                b, _, t, _ = h.stats()
+                # The handle's counters, where its slice reads record them; else the bytes the
+                # slices hold (what the byte ranges read amount to, small gaps aside).
+                nbytes += b or sliced
+                used, used_threads = h.backend, max(used_threads, t)
+            finally:
+                h.close()
+        if wanted:
+            raise SafetensorError(f"plan names tensors the checkpoint does not have: {sorted(wanted)[:5]}")
+        if target != "cpu":
+            dev = _device.torch_device(target)
+            out = {k: v.to(dev) for k, v in out.items()}
+    except Exception as exc:
+        if process_group is None:
+            raise
+        error = exc
+    if process_group is not None:
+        dist = _dist()
+        group = _group(process_group)
+        _agree(dist, group, dist.get_rank(group), error, None, "load_checkpoint (plan)")
+    seconds = time.perf_counter() - started
+    stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
+    _logging.log_read(paths, stats, "load_checkpoint(plan)")
+    return (out, stats) if return_stats else out
