@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from . import _device, _logging
+from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS
 from ._open import Stats, resolve_backend
 from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
@@ -76,7 +76,13 @@ def load_checkpoint(
     convert = _converter(framework, device)
     backend = resolve_backend(backend)
     out: Dict[str, Any] = {}
-    if backend == "mmap":
+    target = _staging.device_target(framework, device)
+    if target is not None:  # accelerator: every shard through one staging ring
+        callback = _progress_callback(progress) if progress is not None else None
+        out, stats = _staging.load_checkpoint_to_device(
+            paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+            progress=callback)
+    elif backend == "mmap":
         for p in paths:
             h = Handle(p, "mmap")
             for name, code, shape, data in h.read_many():

@@ -6,7 +6,7 @@ import operator
 import os
 from typing import Any, Dict, List, Optional
 
-from . import _device, _logging
+from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 
@@ -151,11 +151,17 @@ class safe_open:
 
     def get_tensor(self, name: str) -> Any:
         """Reads one tensor into memory it owns."""
+        if self._device is not None:  # accelerator: through the staging ring
+            return _staging.load_to_device(self._handle, self._device, names=[name])[name]
         name, code, shape, data = self._handle.read(name)
         return self._tensor(name, code, shape, data)
 
     def get_tensors(self) -> Dict[str, Any]:
         """Reads every tensor at once with the parallel reader; dict in file order."""
+        if self._device is not None:  # accelerator: through the staging ring
+            tensors = _staging.load_to_device(self._handle, self._device)
+            _logging.log_read(self._handle.path, self, "get_tensors")
+            return tensors
         tensors = MANY[self._framework](self._handle.read_many())
         _logging.log_read(self._handle.path, self, "get_tensors")
         if self._device is not None:

@@ -1,0 +1,563 @@
+"""Accelerator loads through a ring of host staging buffers.
+
+CUDA: a few page-locked (pinned) host buffers, allocated once per load through torch (no CUDA
+toolkit at build time), are filled by the parallel pread engine (``Handle.read_into``) in offset
+order; each is drained by an asynchronous host-to-device copy on a dedicated stream into the
+destination tensors, which are all allocated up front. The next buffer fills while the previous
+one copies; a buffer is refilled only after an event says its copies are complete, and tensors are
+returned only once every copy is complete, so user code never sees partial data. Pinned memory in
+use is bounded by the ring (``ring_buffers x buffer_bytes``, default 4 x 64 MiB), whatever the
+checkpoint size.
+
+MPS and other torch devices (xpu, npu, hpu ...): the same ring in plain host memory, each tensor
+gathered into host memory it owns, then ``.to(device)`` once complete (never mmap-backed).
+
+The parts are separate so the scheduling is tested byte for byte without a GPU:
+
+* :func:`plan_spans` (pure): which bytes of the data area go through which fill, and where each
+  piece lands in which tensor;
+* a :class:`Sink` (where bytes go): :class:`CudaSink`, :class:`HostThenToSink`, and
+  :class:`CpuSink` (plain memory; can defer its copies until ``wait`` to simulate an
+  asynchronous device, and logs what happened, for the tests);
+* :func:`load_to_device`: runs the plan through a sink.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from . import _device
+from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
+from ._safeload import Handle, SafetensorError
+
+DEFAULT_RING_BUFFERS = 4
+DEFAULT_BUFFER_BYTES = 64 << 20
+#: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216".
+RING_ENV = "SAFELOAD_STAGING_RING"
+
+Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end), as Handle.infos()
+Progress = Callable[[int, int], None]
+
+
+# -- plan -----------------------------------------------------------------------------------------
+
+
+class Fill(NamedTuple):
+    """One fill of one staging buffer.
+
+    ``reads``: (data offset, length, staging offset): contiguous spans of the data area (one read
+    each; several only when the wanted tensors are not contiguous). ``length``: staging bytes used
+    (never above the buffer size). ``copies``: (tensor name, offset in the tensor's bytes, staging
+    offset, nbytes). ``source``: index of the file the fill reads."""
+
+    source: int
+    reads: List[Tuple[int, int, int]]
+    length: int
+    copies: List[Tuple[str, int, int, int]]
+
+    @property
+    def offset(self) -> int:
+        """Data offset of the first byte read."""
+        return self.reads[0][0]
+
+
+def plan_spans(infos: Sequence[Info], buffer_bytes: int, source: int = 0) -> List[Fill]:
+    """The fills that bring ``infos``' bytes through staging buffers of ``buffer_bytes``.
+
+    Tensors are taken in offset order; small ones are packed together, large ones split across
+    fills; contiguous tensors share one read. Zero-size tensors need no fill."""
+    if buffer_bytes < 1:
+        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    fills: List[Fill] = []
+    reads: List[List[int]] = []
+    copies: List[Tuple[str, int, int, int]] = []
+    used = 0
+
+    def flush() -> None:
+        nonlocal reads, copies, used
+        if copies:
+            fills.append(Fill(source, [(r[0], r[1], r[2]) for r in reads], used, copies))
+        reads, copies, used = [], [], 0
+
+    for name, _code, _shape, begin, end in sorted(infos, key=lambda i: (i[3], i[4])):
+        pos = begin
+        while pos < end:
+            if used == buffer_bytes:
+                flush()
+            take = min(end - pos, buffer_bytes - used)
+            if reads and reads[-1][0] + reads[-1][1] == pos:
+                reads[-1][1] += take
+            else:
+                reads.append([pos, take, used])
+            copies.append((name, pos - begin, used, take))
+            used += take
+            pos += take
+    flush()
+    return fills
+
+
+def parse_ring(text: str) -> Tuple[int, int]:
+    """``"4x64MiB"`` -> (4, 67108864). Units: B, K/KB/KiB, M/MB/MiB, G/GB/GiB (all binary)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"ring {text!r}: expected COUNTxSIZE, e.g. 4x64MiB")
+    shift = {"": 0, "K": 10, "M": 20, "G": 30}[m.group(3).upper()]
+    return int(m.group(1)), int(m.group(2)) << shift
+
+
+def ring_config(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """The ring to use: the arguments, else ``$SAFELOAD_STAGING_RING``, else 4 x 64 MiB."""
+    env_n, env_b = DEFAULT_RING_BUFFERS, DEFAULT_BUFFER_BYTES
+    text = os.environ.get(RING_ENV)
+    if text:
+        try:
+            env_n, env_b = parse_ring(text)
+        except ValueError as e:
+            raise SafetensorError(f"${RING_ENV}: {e}") from None
+    n = env_n if ring_buffers is None else int(ring_buffers)
+    b = env_b if buffer_bytes is None else int(buffer_bytes)
+    if n < 1 or b < 1:
+        raise SafetensorError(f"staging ring {n} x {b} bytes: both must be positive")
+    return n, b
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# -- sinks ----------------------------------------------------------------------------------------
+
+
+class Sink:
+    """Where staged bytes go. The loader calls, in order: ``alloc_dest`` (for every tensor when
+    ``eager_dest``, else when its first piece comes), ``alloc_staging`` (once per ring buffer),
+    ``start``, then per fill: ``wait`` (for the fill that last used the buffer, before it is
+    refilled), ``filling``, ``copy_fill`` (enqueue the fill's copies), ``deliver`` (each tensor
+    whose last piece was in that fill); then ``finish`` (all copies complete), or ``abort`` on an error."""
+
+    #: allocate every destination before any read (device OOM fails before reading).
+    eager_dest = True
+    #: staging buffers are page-locked (counted as pinned bytes).
+    pinned = False
+
+    def alloc_staging(self, nbytes: int) -> Tuple[Any, int]:
+        """A 1-D uint8 tensor of ``nbytes`` host bytes and its address."""
+        raise NotImplementedError
+
+    def alloc_dest(self, nbytes: int) -> Any:
+        """A fresh 1-D uint8 tensor of ``nbytes`` (its own storage) for one tensor's bytes."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Every eager destination is allocated; copies begin."""
+
+    def filling(self, index: int, slot: int) -> None:
+        """Fill ``index`` is about to be read into ring buffer ``slot``."""
+
+    def copy_fill(self, index: int, pairs: List[Tuple[Any, Any]]) -> None:
+        """Copies ``(dest bytes view, staging bytes view)`` pairs of fill ``index`` (may be
+        asynchronous: the staging buffer stays untouched until ``wait(index)`` returns)."""
+        raise NotImplementedError
+
+    def wait(self, index: int) -> None:
+        """Blocks until fill ``index``'s copies are complete."""
+
+    def deliver(self, tensor: Any, index: int) -> Any:
+        """The tensor to return, given its typed view once its last piece was enqueued in fill
+        ``index`` (its copy may still be running until ``wait(index)`` / ``finish``)."""
+        return tensor
+
+    def finish(self) -> None:
+        """Blocks until every copy is complete."""
+
+    def abort(self) -> None:
+        """After an error: let in-flight copies end before buffers are released."""
+        self.finish()
+
+
+class CpuSink(Sink):
+    """Plain host memory, for tests and self-checks. With ``defer=True`` copies are queued and
+    run only at ``wait``/``finish`` (an asynchronous device, slowed down), so refilling a buffer
+    too early corrupts the result. ``log`` records ("staging", nbytes), ("fill", index, slot),
+    ("copy", index), ("complete", index), ("finish",)."""
+
+    def __init__(self, defer: bool = False, pinned: bool = False) -> None:
+        self.defer = defer
+        self.pinned = pinned
+        self.log: List[Tuple[Any, ...]] = []
+        self._pending: List[Tuple[int, List[Tuple[Any, Any]]]] = []
+
+    def alloc_staging(self, nbytes: int) -> Tuple[Any, int]:
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.log.append(("staging", nbytes))
+        return buf, buf.data_ptr()
+
+    def alloc_dest(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # poisoned: a missed copy shows
+
+    def filling(self, index: int, slot: int) -> None:
+        self.log.append(("fill", index, slot))
+
+    def copy_fill(self, index: int, pairs: List[Tuple[Any, Any]]) -> None:
+        self.log.append(("copy", index))
+        if self.defer:
+            self._pending.append((index, pairs))
+        else:
+            for dest, src in pairs:
+                dest.copy_(src)
+            self.log.append(("complete", index))
+
+    def wait(self, index: int) -> None:
+        self._complete(index)
+
+    def finish(self) -> None:
+        if self._pending:
+            self._complete(self._pending[-1][0])
+        self.log.append(("finish",))
+
+    def _complete(self, index: int) -> None:
+        while self._pending and self._pending[0][0] <= index:
+            i, pairs = self._pending.pop(0)
+            for dest, src in pairs:
+                dest.copy_(src)
+            self.log.append(("complete", i))
+
+
+class CudaSink(Sink):
+    """Pinned staging buffers, ``non_blocking`` copies on a dedicated stream, one event per fill."""
+
+    pinned = True
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._events: Dict[int, Any] = {}
+
+    def alloc_staging(self, nbytes: int) -> Tuple[Any, int]:
+        buf = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return buf, buf.data_ptr()
+
+    def alloc_dest(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
+    def start(self) -> None:
+        # Destinations were allocated on the current stream: the copy stream must not write them
+        # before earlier work there (that may still use the recycled memory) is done.
+        self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+
+    def copy_fill(self, index: int, pairs: List[Tuple[Any, Any]]) -> None:
+        torch = self._torch
+        with torch.cuda.stream(self.stream):
+            for dest, src in pairs:
+                dest.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._events[index] = event
+
+    def wait(self, index: int) -> None:
+        for i in [i for i in self._events if i <= index]:
+            self._events.pop(i).synchronize()
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+        self._events.clear()
+
+
+class HostThenToSink(Sink):
+    """MPS and other devices: tensors gathered into host memory they own (plain staging ring),
+    then ``.to(device)`` once complete; host memory is the ring plus the tensors in progress."""
+
+    eager_dest = False
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        module = getattr(torch, self.device.type, None)
+        self._sync = getattr(module, "synchronize", None)
+
+    def alloc_staging(self, nbytes: int) -> Tuple[Any, int]:
+        buf = self._torch.empty(nbytes, dtype=self._torch.uint8)
+        return buf, buf.data_ptr()
+
+    def alloc_dest(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8)
+
+    def copy_fill(self, index: int, pairs: List[Tuple[Any, Any]]) -> None:
+        for dest, src in pairs:
+            dest.copy_(src)
+
+    def deliver(self, tensor: Any, index: int) -> Any:
+        return tensor.to(self.device)
+
+    def finish(self) -> None:
+        if self._sync is not None and self.device.type != "cpu":
+            self._sync()
+
+
+def make_sink(device: Any) -> Sink:
+    """The sink for a torch device: CUDA -> :class:`CudaSink`, others -> :class:`HostThenToSink`."""
+    if device.type == "cuda":
+        return CudaSink(device)
+    return HostThenToSink(device)
+
+
+# -- loader ---------------------------------------------------------------------------------------
+
+
+class StagingStats:
+    """What a staged load did. ``staging_bytes``: host staging memory allocated (pinned for CUDA);
+    ``peak_in_flight``: most staging bytes filled and not yet known copied; both are bounded by
+    the ring (``ring_buffers * buffer_bytes``)."""
+
+    __slots__ = ("bytes", "tensors", "fills", "buffers", "buffer_bytes", "ring_bytes",
+                 "staging_bytes", "peak_in_flight", "pinned", "seconds")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+        self.fills = 0
+        self.buffers = 0
+        self.buffer_bytes = 0
+        self.ring_bytes = 0
+        self.staging_bytes = 0
+        self.peak_in_flight = 0
+        self.pinned = False
+        self.seconds = 0.0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.staging_bytes if self.pinned else 0
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes / self.seconds / 2**30 if self.seconds else 0.0
+
+    def __repr__(self) -> str:
+        return "StagingStats(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+#: Stats of the most recent staged load in this process (tests and benchmarks read it).
+last_stats: Optional[StagingStats] = None
+
+
+def device_target(framework: Any, device: Any) -> Any:
+    """The torch.device a load should be staged to (torch framework, non-CPU device), else None.
+    Raises SafetensorError, before any read, when torch lacks the device."""
+    if FRAMEWORKS.get(framework) != "pytorch":
+        return None
+    parsed = _device.parse(device) or "cpu"
+    if parsed == "cpu":
+        return None
+    return _device.torch_device(parsed)
+
+
+Source = Union[Handle, str, "os.PathLike[str]"]
+
+
+def load_to_device(
+    sources: Union[Source, Sequence[Source]],
+    device: Any,
+    *,
+    names: Optional[Sequence[Any]] = None,
+    ring_buffers: Optional[int] = None,
+    buffer_bytes: Optional[int] = None,
+    sink: Optional[Sink] = None,
+    progress: Optional[Progress] = None,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    drop_cache: bool = False,
+) -> Dict[str, Any]:
+    """Loads tensors of one or more files onto ``device`` through the staging ring.
+
+    ``sources``: a ``Handle`` or path, or a list of them (shards; a tensor name may appear in
+    only one). ``names``: the tensors wanted (a list for one source, or one list-or-None per
+    source); all when None. ``sink``: replaces the device's (tests). Returns a dict in file order
+    of typed tensors, each with its own storage, every copy complete. Paths are opened with the
+    pread engine (``threads``, ``chunk_bytes``, ``drop_cache``) and closed after."""
+    single = isinstance(sources, (Handle, str, os.PathLike))
+    items: List[Any] = [sources] if single else list(sources)  # type: ignore[arg-type]
+    if names is None:
+        per_source: List[Optional[List[str]]] = [None] * len(items)
+    elif single:
+        per_source = [list(names)]
+    else:
+        per_source = [None if n is None else list(n) for n in names]
+        if len(per_source) != len(items):
+            raise ValueError("names: one entry per source")
+    if sink is None:
+        target = _device.torch_device(_device.parse(device) or "cpu")  # raises before any read
+        if target.type == "cpu":
+            raise ValueError("load_to_device: device is the CPU (use the plain reader)")
+        sink = make_sink(target)
+    n_buffers, buf_bytes = ring_config(ring_buffers, buffer_bytes)
+
+    handles: List[Handle] = []
+    opened: List[Handle] = []
+    try:
+        for item in items:
+            if isinstance(item, Handle):
+                handles.append(item)
+            else:
+                h = Handle(os.fspath(item), "pread", threads=threads, chunk_bytes=chunk_bytes,
+                           drop_cache=drop_cache)
+                opened.append(h)
+                handles.append(h)
+        return _load(handles, per_source, sink, n_buffers, buf_bytes, progress)
+    finally:
+        for h in opened:
+            h.close()
+
+
+def _load(
+    handles: List[Handle],
+    per_source: List[Optional[List[str]]],
+    sink: Sink,
+    n_buffers: int,
+    buf_bytes: int,
+    progress: Optional[Progress],
+) -> Dict[str, Any]:
+    global last_stats
+    started = time.perf_counter()
+    stats = StagingStats()
+    stats.pinned = sink.pinned
+
+    # Wanted tensors, per file in offset order; types checked before anything is allocated.
+    wanted: List[List[Info]] = []
+    seen: Dict[str, int] = {}
+    for i, (h, want) in enumerate(zip(handles, per_source)):
+        infos = sorted(h.infos(), key=lambda t: (t[3], t[4]))
+        if want is not None:
+            by_name = {t[0]: t for t in infos}
+            missing = [n for n in want if n not in by_name]
+            if missing:
+                raise SafetensorError(f"File does not contain tensor {missing[0]}")
+            keep = set(want)
+            infos = [t for t in infos if t[0] in keep]
+        for name, code, _, _, _ in infos:
+            if name in seen and seen[name] != i:
+                raise SafetensorError(f"tensor {name} appears in more than one shard")
+            seen[name] = i
+            torch_dtype(code, name)
+        wanted.append(infos)
+
+    fills: List[Fill] = []
+    for i, infos in enumerate(wanted):
+        fills.extend(plan_spans(infos, buf_bytes, i))
+    total = sum(f.length for f in fills)
+    remaining: Dict[str, int] = {}
+    meta: Dict[str, Tuple[str, List[int]]] = {}
+    for infos in wanted:
+        for name, code, shape, begin, end in infos:
+            remaining[name] = end - begin
+            meta[name] = (code, shape)
+
+    dests: Dict[str, Any] = {}
+    out: Dict[str, Any] = {}
+
+    def typed(name: str) -> Any:
+        code, shape = meta[name]
+        return dests[name].view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
+
+    if sink.eager_dest:
+        for name, n in remaining.items():
+            dests[name] = sink.alloc_dest(n)
+    # Zero-size tensors have no fill: ready now.
+    for name, n in remaining.items():
+        if n == 0:
+            if name not in dests:
+                dests[name] = sink.alloc_dest(0)
+            out[name] = sink.deliver(typed(name), -1)
+            del dests[name]
+
+    # The ring: as many buffers as fills need (at most n_buffers), each no larger than needed.
+    size = min(buf_bytes, _pow2ceil(max((f.length for f in fills), default=0)))
+    ring: List[Tuple[Any, int]] = []
+    for _ in range(min(n_buffers, len(fills))):
+        ring.append(sink.alloc_staging(size))
+    stats.buffers, stats.buffer_bytes, stats.ring_bytes = len(ring), size, n_buffers * buf_bytes
+    stats.staging_bytes = len(ring) * size
+    sink.start()
+
+    in_flight: Dict[int, int] = {}  # fill index -> staging bytes not yet known copied
+    done = 0
+    try:
+        for index, fill in enumerate(fills):
+            if index >= len(ring):
+                previous = index - len(ring)
+                sink.wait(previous)
+                for j in [j for j in in_flight if j <= previous]:
+                    del in_flight[j]
+            slot = index % len(ring)
+            buf, address = ring[slot]
+            sink.filling(index, slot)
+            h = handles[fill.source]
+            for offset, length, at in fill.reads:
+                h.read_into(address + at, offset, length)
+            in_flight[index] = fill.length
+            stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
+            pairs = []
+            finished = []
+            for name, t_off, s_off, n in fill.copies:
+                dest = dests.get(name)
+                if dest is None:
+                    dest = dests[name] = sink.alloc_dest(remaining[name])
+                pairs.append((dest[t_off : t_off + n], buf[s_off : s_off + n]))
+                left = remaining[name] - n
+                remaining[name] = left
+                if left == 0:
+                    finished.append(name)
+            sink.copy_fill(index, pairs)
+            for name in finished:
+                out[name] = sink.deliver(typed(name), index)
+                del dests[name]
+            done += fill.length
+            if progress is not None:
+                progress(done, total)
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    in_flight.clear()
+    del ring
+
+    stats.bytes = total
+    stats.tensors = len(out)
+    stats.fills = len(fills)
+    stats.seconds = time.perf_counter() - started
+    last_stats = stats
+    # File order (offset order per file, files in order), as the CPU path returns.
+    return {t[0]: out[t[0]] for infos in wanted for t in infos}
+
+
+def load_checkpoint_to_device(
+    paths: List[str],
+    target: Any,
+    *,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    drop_cache: bool = False,
+    progress: Optional[Progress] = None,
+) -> Tuple[Dict[str, Any], Any]:
+    """``load_checkpoint`` to a device: every shard through one staging ring. Returns the state
+    dict and a :class:`safeload._open.Stats`."""
+    from ._open import Stats
+    from ._safeload import DEFAULT_CHUNK_BYTES
+
+    out = load_to_device(paths, target, progress=progress, threads=threads,
+                         chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    s = last_stats
+    stats = Stats("pread", threads or 0, chunk_bytes or DEFAULT_CHUNK_BYTES,
+                  s.bytes if s else 0, s.seconds if s else 0.0, "")
+    return out, stats
