@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -70,9 +71,15 @@ def load_checkpoint(
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
 
-    ``progress``: a callable ``(bytes_done, bytes_total)``, or True for a tqdm bar (streams in
-    batches to report). ``return_stats``: also return a :class:`Stats`."""
+    ``progress``: a callable ``(bytes_done, bytes_total)``, True for a tqdm bar (streams in
+    batches to report), False for none; by default a bar is shown for multi-shard checkpoints
+    when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
+    :class:`Stats`."""
     paths = resolve(path_or_paths)
+    if progress is None:
+        progress = _wants_bar(paths) or None
+    elif progress is False:
+        progress = None
     convert = _converter(framework, device)
     backend = resolve_backend(backend)
     out: Dict[str, Any] = {}
@@ -91,7 +98,7 @@ def load_checkpoint(
     elif progress is not None:
         started = time.perf_counter()
         callback = _progress_callback(progress)
-        stream = _stream(paths, convert, 1 << 30, backend, threads, chunk_bytes, drop_cache, callback)
+        stream = _stream(paths, convert, None, backend, threads, chunk_bytes, drop_cache, callback)
         total = 0
         for name, tensor, nbytes in stream:
             _add(out, name, tensor)
@@ -114,6 +121,17 @@ def _add(out: Dict[str, Any], name: str, tensor: Any) -> None:
     if name in out:
         raise SafetensorError(f"tensor {name} appears in more than one shard")
     out[name] = tensor
+
+
+def _wants_bar(paths: Sequence[str]) -> bool:
+    """The default: a bar for multi-shard loads when someone is watching stderr."""
+    if len(paths) < 2 or not sys.stderr.isatty():
+        return False
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _progress_callback(progress: Any) -> Optional[Progress]:
@@ -161,7 +179,7 @@ def iter_checkpoint(
 def _stream(
     paths: List[str],
     convert: Callable[[str, str, List[int], Any], Any],
-    max_inflight_bytes: int,
+    max_inflight_bytes: Optional[int],
     backend: str,
     threads: Optional[int],
     chunk_bytes: Optional[int],
@@ -176,6 +194,8 @@ def _stream(
         plan.extend((i, name, end - begin) for name, _, _, begin, end in h.infos())
         h.close()
     total = sum(n for _, _, n in plan)
+    if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
+        max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
     done = 0
     for batch in _batches(plan, max_inflight_bytes):
         selection: List[Optional[List[str]]] = [[] for _ in paths]
