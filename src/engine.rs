@@ -88,18 +88,18 @@ impl<'a> Worker<'a> {
     fn read(&mut self, plan: &Plan, chunk: &Chunk) -> Result<()> {
         let input = &self.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
-        let mut result = Err((0, io::Error::from_raw_os_error(libc::EINVAL)));
-        if let Some(direct) = input.direct
-            && !self.direct_refused.load(Ordering::Relaxed)
-        {
-            result = self.read_direct(direct, chunk, segments);
-            if matches!(&result, Err((_, e)) if e.raw_os_error() == Some(libc::EINVAL)) {
+        let direct = input
+            .direct
+            .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
+        let result = match direct.map(|d| self.read_direct(d, chunk, segments)) {
+            // The filesystem refuses O_DIRECT: buffered reads from now on, for every worker.
+            Some(Err((_, e))) if e.raw_os_error() == Some(libc::EINVAL) => {
                 self.direct_refused.store(true, Ordering::Relaxed);
+                preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments)
             }
-        }
-        if matches!(&result, Err((_, e)) if e.raw_os_error() == Some(libc::EINVAL)) {
-            result = preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments);
-        }
+            Some(done) => done,
+            None => preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments),
+        };
         result.map_err(|(done, source)| Error::Read {
             path: input.path.to_path_buf(),
             tensor: plan.tensors[tensor_at(segments, done)].clone(),
@@ -146,8 +146,8 @@ impl<'a> Worker<'a> {
             }
             got += n as usize;
             if got < need && !(got as u64).is_multiple_of(DIRECT_ALIGN) {
-                // An unaligned short read: finish this chunk buffered.
-                return Err((0, io::Error::from_raw_os_error(libc::EINVAL)));
+                // An unaligned short read cannot be continued with O_DIRECT: this chunk buffered.
+                return preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments);
             }
         }
         let mut from = (chunk.offset - start) as usize;
