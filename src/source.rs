@@ -88,7 +88,12 @@ impl Source {
                     self.header.data_start(),
                     self.header.data_len(),
                 );
-                storage::choose(self.kind, cached)
+                storage::choose(
+                    self.kind,
+                    cached,
+                    self.header.data_len(),
+                    storage::direct_above(),
+                )
             }
         }
     }

@@ -57,10 +57,13 @@ local_is_block = residency(__file__)[1] == "local"
 
 
 @pytest.mark.skipif(not local_is_block, reason="temporary files are not on a local block filesystem")
-def test_auto_reads_cold_files_with_o_direct_and_warm_ones_buffered(sample):
+def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypatch):
     _, path, want = sample
     evict(path)
     assert residency(path)[0] < 0.5
+    with safeload.safe_open(path, "pt") as f:
+        assert f.backend == "pread"  # cold but small next to free memory: buffered (faster here)
+    monkeypatch.setenv("SAFELOAD_DIRECT_ABOVE", "1000")  # as if the file did not fit in memory
     with safeload.safe_open(path, "pt") as f:
         assert f.backend == "direct"
         assert_equal(f.get_tensors(), want)
