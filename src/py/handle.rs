@@ -45,9 +45,10 @@ struct Totals {
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {
     source: RwLock<Option<Arc<Source>>>,
-    /// What reads this file; "auto" is resolved at open. Direct falls back to Pread when the
-    /// filesystem refuses O_DIRECT.
-    strategy: RwLock<Strategy>,
+    requested: Backend,
+    /// What reads this file: `requested` resolved at the first read (so `open()` + `keys()`
+    /// costs no residency probe). Direct falls back to Pread when the filesystem refuses O_DIRECT.
+    strategy: RwLock<Option<Strategy>>,
     opts: ReadOptions,
     totals: Mutex<Totals>,
 }
@@ -69,7 +70,17 @@ impl Handle {
     }
 
     fn strategy(&self) -> Strategy {
-        *self.strategy.read().unwrap_or_else(|p| p.into_inner())
+        if let Some(known) = *self.strategy.read().unwrap_or_else(|p| p.into_inner()) {
+            return known;
+        }
+        let open = self
+            .source
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let resolved = open.map_or(Strategy::Pread, |s| s.resolve(self.requested));
+        *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(resolved);
+        resolved
     }
 
     fn record(&self, report: &Report) {
@@ -79,7 +90,7 @@ impl Handle {
         t.threads = report.threads;
         t.reads += 1;
         if report.direct_refused {
-            *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Strategy::Pread;
+            *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(Strategy::Pread);
         }
     }
 
@@ -156,17 +167,11 @@ impl Handle {
         drop_cache: bool,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
-        let (source, strategy) = py
-            .detach(|| {
-                Source::open(&path).map(|s| {
-                    let strategy = s.resolve(backend);
-                    (s, strategy)
-                })
-            })
-            .map_err(to_py)?;
+        let source = py.detach(|| Source::open(&path)).map_err(to_py)?;
         Ok(Handle {
             source: RwLock::new(Some(Arc::new(source))),
-            strategy: RwLock::new(strategy),
+            requested: backend,
+            strategy: RwLock::new(None),
             opts: options(threads, chunk_bytes, drop_cache),
             totals: Mutex::new(Totals::default()),
         })
@@ -213,7 +218,8 @@ impl Handle {
     fn share(&self) -> PyResult<Handle> {
         Ok(Handle {
             source: RwLock::new(Some(self.source()?)),
-            strategy: RwLock::new(self.strategy()),
+            requested: self.requested,
+            strategy: RwLock::new(Some(self.strategy())),
             opts: self.opts,
             totals: Mutex::new(Totals::default()),
         })
