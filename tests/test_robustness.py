@@ -18,6 +18,7 @@ import torch
 import safeload
 import safeload.numpy as slnp
 import safeload.torch as sl
+from conftest import raw_bytes
 
 BACKENDS = ("pread", "direct", "mmap", "auto")
 
@@ -26,9 +27,6 @@ def rss_kib() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
-
-def raw(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +129,10 @@ def test_one_handle_shared_by_eight_threads(model):
         def work(i):
             for k in range(20):
                 name = names[(i + k) % len(names)]
-                assert torch.equal(raw(f.get_tensor(name)), raw(want[name]))
+                assert raw_bytes(f.get_tensor(name)) == raw_bytes(want[name])
                 assert f.keys() == names
                 part = f.get_slice(name)[1:3]
-                assert torch.equal(raw(part), raw(want[name][1:3]))
+                assert raw_bytes(part) == raw_bytes(want[name][1:3])
             return True
 
         with cf.ThreadPoolExecutor(8) as pool:
@@ -147,7 +145,7 @@ def test_eight_handles_loading_at_once(model):
 
     def load(i):
         got = sl.load_file(path, backend=BACKENDS[i % len(BACKENDS)])
-        return all(torch.equal(raw(got[k]), raw(want[k])) for k in want)
+        return all(raw_bytes(got[k]) == raw_bytes(want[k]) for k in want)
 
     with cf.ThreadPoolExecutor(8) as pool:
         assert all(f.result(timeout=120) for f in [pool.submit(load, i) for i in range(8)])
@@ -247,7 +245,7 @@ def test_save_is_atomic_and_fsyncs(tmp_path, model):
     sl.save_file(want, target, fsync=True)
     assert os.listdir(tmp_path) == ["out.safetensors"]
     got = st.load_file(target)
-    assert all(torch.equal(raw(got[k]), raw(want[k])) for k in want)
+    assert all(raw_bytes(got[k]) == raw_bytes(want[k]) for k in want)
 
 
 def test_disk_full_leaves_no_partial_file(tmp_path):

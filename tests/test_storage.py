@@ -11,14 +11,12 @@ import torch
 import safeload
 import safeload.torch as sl
 from safeload._safeload import residency
+from conftest import raw_bytes
 
 from safeload import slowfs
 
 FUSE_SKIP = slowfs.fuse_unavailable()
 
-
-def raw(t):
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
 
 def evict(path):
@@ -50,7 +48,7 @@ def sample(tmp_path_factory):
 def assert_equal(got, want):
     assert set(got) == set(want)
     for k in want:
-        assert torch.equal(raw(got[k]), raw(want[k])), k
+        assert raw_bytes(got[k]) == raw_bytes(want[k]), k
 
 
 local_is_block = residency(__file__)[1] == "local"
