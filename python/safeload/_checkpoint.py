@@ -42,7 +42,9 @@ def resolve(path_or_paths: Any) -> List[str]:
     return [path]
 
 
-def _converter(framework: str, device: Any) -> Callable[[str, str, List[int], Any], Any]:
+def _converter(framework: str, device: Any) -> Tuple[Callable[[str, str, List[int], Any], Any], Any]:
+    """The per-tensor converter for a framework and device, and the torch.device it targets
+    (None for the CPU). The device is checked here, once, before any read."""
     try:
         name = FRAMEWORKS[framework]
     except KeyError:
@@ -50,11 +52,11 @@ def _converter(framework: str, device: Any) -> Callable[[str, str, List[int], An
     convert = CONVERTERS[name]
     parsed = _device.parse(device)
     if parsed == "cpu":
-        return lambda n, code, shape, data: convert(code, shape, data, n)
+        return (lambda n, code, shape, data: convert(code, shape, data, n)), None
     if name != "pytorch":
         raise SafetensorError(f"Device {parsed} is not supported for framework {name}")
     target = _device.torch_device(parsed)
-    return lambda n, code, shape, data: convert(code, shape, data, n).to(target)
+    return (lambda n, code, shape, data: convert(code, shape, data, n).to(target)), target
 
 
 def load_checkpoint(
@@ -80,10 +82,9 @@ def load_checkpoint(
         progress = _wants_bar(paths) or None
     elif progress is False:
         progress = None
-    convert = _converter(framework, device)
+    convert, target = _converter(framework, device)
     backend = resolve_backend(backend)
     out: Dict[str, Any] = {}
-    target = _staging.device_target(framework, device)
     if target is not None:  # accelerator: every shard through one staging ring
         callback = _progress_callback(progress) if progress is not None else None
         out, stats = _staging.load_checkpoint_to_device(
@@ -169,7 +170,7 @@ def iter_checkpoint(
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
     into a model tensor by tensor."""
     paths = resolve(path_or_paths)
-    convert = _converter(framework, device)
+    convert, _ = _converter(framework, device)
     stream = _stream(paths, convert, max_inflight_bytes, resolve_backend(backend), threads,
                      chunk_bytes, drop_cache, _progress_callback(progress))
     for name, tensor, _ in stream:
