@@ -5,6 +5,8 @@ use std::alloc::{Layout, alloc, dealloc};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::platform;
+
 /// Alignment of every tensor start (cache line; what vectorised kernels expect).
 pub const TENSOR_ALIGN: usize = 64;
 /// Tensors at least this large get an allocation of their own.
@@ -49,42 +51,13 @@ impl Storage {
         })
     }
 
-    /// Anonymous memory, 2 MiB aligned whatever its size (also what O_DIRECT needs).
+    /// Anonymous memory from the OS, aligned to [`platform::MAP_ALIGN`] (2 MiB on Linux) and
+    /// advised to use huge pages where that cannot stall; also what uncached reads need.
     pub fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
-        let kept = len.next_multiple_of(page_size());
-        let padded = kept.checked_add(HUGE_PAGE).ok_or_else(oom)?;
-        // SAFETY: anonymous private mapping, no file; the result is checked below.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                padded,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
+        let ptr = platform::map_anonymous(len)?;
+        if huge_pages_enabled() {
+            platform::advise_huge_pages(ptr, len);
         }
-        let start = raw as usize;
-        let aligned = start.next_multiple_of(HUGE_PAGE);
-        let head = aligned - start;
-        let tail = padded - head - kept;
-        // Give back the unaligned head and the tail; both are whole pages.
-        // SAFETY: both ranges lie inside the mapping just made and outside [aligned, aligned+kept).
-        unsafe {
-            if head > 0 {
-                libc::munmap(raw, head);
-            }
-            if tail > 0 {
-                libc::munmap((aligned + kept) as *mut libc::c_void, tail);
-            }
-            if huge_pages_enabled() {
-                libc::madvise(aligned as *mut libc::c_void, kept, libc::MADV_HUGEPAGE);
-            }
-        }
-        let ptr = NonNull::new(aligned as *mut u8).ok_or_else(oom)?;
         Ok(Storage::Heap {
             ptr,
             len,
@@ -103,6 +76,17 @@ impl Storage {
         self.len() == 0
     }
 
+    /// The whole allocation as bytes, for a scratch buffer its owner reads into; None for
+    /// allocator memory, which may be uninitialised.
+    pub fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        if matches!(self, Storage::Heap { mapped: false, .. }) {
+            return None;
+        }
+        // SAFETY: `len` bytes from the start are ours; `&mut self` makes this the only access;
+        // mapped memory comes zeroed from the OS and a file map holds the file's bytes.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len()) })
+    }
+
     /// First byte; writable (anonymous and private maps only).
     pub fn as_mut_ptr(&self) -> *mut u8 {
         match self {
@@ -116,13 +100,8 @@ impl Drop for Storage {
     fn drop(&mut self) {
         if let Storage::Heap { ptr, len, mapped } = *self {
             if mapped {
-                // SAFETY: [ptr, ptr+len) rounded to pages is what alloc_mapped kept mapped.
-                unsafe {
-                    libc::munmap(
-                        ptr.as_ptr() as *mut libc::c_void,
-                        len.next_multiple_of(page_size()),
-                    )
-                };
+                // SAFETY: exactly what alloc_mapped got from map_anonymous(len).
+                unsafe { platform::unmap_anonymous(ptr, len) };
             } else {
                 let layout =
                     Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
@@ -144,30 +123,12 @@ pub fn huge_pages_enabled() -> bool {
     *ENABLED.get_or_init(|| match std::env::var("SAFELOAD_HUGE_PAGES").as_deref() {
         Ok("1") => true,
         Ok("0") => false,
-        _ => std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/defrag")
-            .map(|s| huge_pages_cannot_stall(&s))
-            .unwrap_or(false),
+        _ => platform::huge_page_faults_cannot_stall(),
     })
-}
-
-/// Reads the kernel's `defrag` setting (the selected value is in brackets).
-fn huge_pages_cannot_stall(defrag: &str) -> bool {
-    let selected = defrag
-        .split('[')
-        .nth(1)
-        .and_then(|s| s.split(']').next())
-        .unwrap_or("");
-    matches!(selected, "defer" | "never")
 }
 
 fn oom() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::OutOfMemory, "out of memory")
-}
-
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if size > 0 { size as usize } else { 4096 }
 }
 
 /// The bytes of one tensor: a range of a shared [`Storage`] that keeps it alive.
@@ -271,19 +232,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn huge_page_policy_reads_selected_defrag() {
-        assert!(!huge_pages_cannot_stall(
-            "always defer defer+madvise [madvise] never"
-        ));
-        assert!(huge_pages_cannot_stall(
-            "always [defer] defer+madvise madvise never"
-        ));
-        assert!(!huge_pages_cannot_stall(
-            "always defer [defer+madvise] madvise never"
-        ));
-    }
-
-    #[test]
     fn alignment_and_disjointness() {
         let sizes = [3, 0, 100, OWN_ALLOCATION_BYTES, 5 * HUGE_PAGE + 7, 64, 1];
         let bufs = allocate(&sizes).unwrap();
@@ -295,7 +243,7 @@ mod tests {
                 ranges.push((b.as_mut_ptr() as usize, b.as_mut_ptr() as usize + len));
             }
             if len >= HUGE_PAGE {
-                assert_eq!(b.as_mut_ptr() as usize % HUGE_PAGE, 0);
+                assert_eq!(b.as_mut_ptr() as usize % platform::MAP_ALIGN, 0);
             }
             // Every byte writable.
             for k in 0..len {

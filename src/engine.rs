@@ -5,8 +5,7 @@
 //! milliseconds, so a binding can check for Ctrl-C and cancel promptly.
 
 use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
+use std::io::{self, IoSliceMut};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -15,20 +14,19 @@ use std::time::{Duration, Instant};
 use crate::buffer::Storage;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment};
+use crate::platform::{self, Uncached};
 
 /// How often the waiting thread calls `poll`.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Below this many bytes a plan is read on the calling thread.
 const INLINE_BYTES: u64 = 4 << 20;
-/// Offset, length and address alignment of O_DIRECT requests (a page: safe for 512e/4Kn disks).
-pub const DIRECT_ALIGN: u64 = 4096;
 
 /// A file the plan reads from.
 pub struct Input<'a> {
     pub path: &'a Path,
     pub file: &'a File,
-    /// The same file opened with O_DIRECT, to read it around the page cache.
-    pub direct: Option<&'a File>,
+    /// The same file opened to read around the page cache.
+    pub direct: Option<&'a Uncached>,
 }
 
 /// How a plan is executed.
@@ -45,7 +43,7 @@ pub struct Report {
     pub bytes: u64,
     pub seconds: f64,
     pub threads: usize,
-    /// O_DIRECT was refused (EINVAL) and buffered reads were used instead.
+    /// Uncached reads were refused (EINVAL) and buffered reads were used instead.
     pub direct_refused: bool,
 }
 
@@ -54,7 +52,7 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
 
-/// One worker's resources: its bounce buffer for O_DIRECT and its own descriptors.
+/// One worker's resources: its bounce buffer for aligned uncached reads and its own descriptors.
 struct Worker<'a> {
     inputs: &'a [Input<'a>],
     own_fds: bool,
@@ -92,8 +90,8 @@ impl<'a> Worker<'a> {
             .direct
             .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
         let result = match direct.map(|d| self.read_direct(d, chunk, segments)) {
-            // The filesystem refuses O_DIRECT: buffered reads from now on, for every worker.
-            Some(Err((_, e))) if e.raw_os_error() == Some(libc::EINVAL) => {
+            // The filesystem refuses uncached reads: buffered from now on, for every worker.
+            Some(Err((_, e))) if platform::uncached_refused(&e) => {
                 self.direct_refused.store(true, Ordering::Relaxed);
                 preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments)
             }
@@ -108,53 +106,49 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// Reads the page-aligned span around the chunk with O_DIRECT into the worker's bounce
-    /// buffer, then copies each segment out.
-    fn read_direct(&mut self, direct: &File, chunk: &Chunk, segments: &[Segment]) -> IoResult {
-        let start = chunk.offset / DIRECT_ALIGN * DIRECT_ALIGN;
-        let end = (chunk.offset + chunk.len as u64).next_multiple_of(DIRECT_ALIGN);
+    /// Reads the chunk around the page cache: straight into the segments where the handle has
+    /// no alignment rule, else the aligned span around it into the worker's bounce buffer, then
+    /// copied out.
+    fn read_direct(&mut self, direct: &Uncached, chunk: &Chunk, segments: &[Segment]) -> IoResult {
+        let align = direct.align;
+        if align <= 1 {
+            return preadv_exact(&direct.file, chunk.offset, segments);
+        }
+        let start = chunk.offset / align * align;
+        let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
         let span = (end - start) as usize;
         if self.bounce.as_ref().is_none_or(|b| b.len() < span) {
             self.bounce = Some(Storage::alloc_mapped(span).map_err(|e| (0, e))?);
         }
-        let bounce = self.bounce.as_ref().expect("allocated above").as_mut_ptr();
-        let need = (chunk.offset - start) as usize + chunk.len;
+        let bounce = self
+            .bounce
+            .as_mut()
+            .and_then(Storage::as_bytes_mut)
+            .expect("a mapped bounce buffer, allocated above");
+        let head = (chunk.offset - start) as usize;
+        let need = head + chunk.len;
         let mut got = 0usize;
         while got < need {
-            // SAFETY: [bounce+got, bounce+span) is inside the worker's own allocation; got stays
-            // a multiple of DIRECT_ALIGN (checked below), as O_DIRECT requires.
-            let n = unsafe {
-                libc::pread(
-                    direct.as_raw_fd(),
-                    bounce.add(got).cast(),
-                    span - got,
-                    (start + got as u64) as libc::off_t,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err((got.saturating_sub((chunk.offset - start) as usize), e));
+            // `got` stays a multiple of `align` (checked below), as uncached reads require; the
+            // bounce buffer is aligned to the OS's map alignment, a multiple of `align`.
+            match platform::read_at(&direct.file, &mut bounce[got..span], start + got as u64) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err((got.saturating_sub(head), e)),
+                Ok(0) => return Err((got.saturating_sub(head), eof(need - got))),
+                Ok(n) => got += n,
             }
-            if n == 0 {
-                return Err((
-                    got.saturating_sub((chunk.offset - start) as usize),
-                    eof(need - got),
-                ));
-            }
-            got += n as usize;
-            if got < need && !(got as u64).is_multiple_of(DIRECT_ALIGN) {
-                // An unaligned short read cannot be continued with O_DIRECT: this chunk buffered.
+            if got < need && !(got as u64).is_multiple_of(align) {
+                // An unaligned short read cannot be continued uncached: this chunk buffered.
                 return preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments);
             }
         }
-        let mut from = (chunk.offset - start) as usize;
+        let mut from = head;
         for s in segments {
-            // SAFETY: `from + s.len <= need <= got` bytes of the bounce buffer were read; the
-            // destination is the segment's own, disjoint from every other chunk's.
-            unsafe { std::ptr::copy_nonoverlapping(bounce.add(from), s.dest, s.len) };
+            // SAFETY: the destination is the segment's own (Plan contract), `s.len` bytes long and
+            // disjoint from the bounce buffer and from every other chunk's.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bounce[from..from + s.len].as_ptr(), s.dest, s.len)
+            };
             from += s.len;
         }
         Ok(())
@@ -262,49 +256,24 @@ fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
 /// Fills every segment from `offset` on, retrying short reads and EINTR.
 /// On failure returns how many bytes were read before it.
 fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
-    let mut iov: Vec<libc::iovec> = segments
+    let mut bufs: Vec<IoSliceMut<'_>> = segments
         .iter()
-        .map(|s| libc::iovec {
-            iov_base: s.dest.cast(),
-            iov_len: s.len,
-        })
+        // SAFETY: each segment points into a live destination owned by the caller of `execute`,
+        // valid for `len` bytes and disjoint from every other chunk's (Plan::add contract); no
+        // one else touches it until the read ends.
+        .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.dest, s.len) }))
         .collect();
-    let fd = file.as_raw_fd();
-    let mut first = 0usize;
+    let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
     let mut done = 0usize;
-    while first < iov.len() {
-        let count = (iov.len() - first).min(crate::plan::MAX_SEGMENTS) as libc::c_int;
-        let at = (offset + done as u64) as libc::off_t;
-        // SAFETY: each iovec points into a live destination owned by the caller of `execute`,
-        // disjoint from every other chunk's (Plan::add contract).
-        let n = unsafe { libc::preadv(fd, iov[first..].as_ptr(), count, at) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+    while !rest.is_empty() {
+        match platform::read_vectored_at(file, rest, offset + done as u64) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((done, e)),
+            Ok(0) => return Err((done, eof(rest.iter().map(|b| b.len()).sum()))),
+            Ok(n) => {
+                done += n;
+                IoSliceMut::advance_slices(&mut rest, n);
             }
-            return Err((done, e));
-        }
-        if n == 0 {
-            let missing: usize = iov[first..].iter().map(|v| v.iov_len).sum();
-            return Err((done, eof(missing)));
-        }
-        let mut n = n as usize;
-        done += n;
-        while n > 0 {
-            let v = &mut iov[first];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                first += 1;
-            } else {
-                // SAFETY: advancing within the same destination.
-                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
-                v.iov_len -= n;
-                n = 0;
-            }
-        }
-        while first < iov.len() && iov[first].iov_len == 0 {
-            first += 1;
         }
     }
     Ok(())
@@ -323,13 +292,8 @@ mod tests {
         (path, file)
     }
 
-    fn open_direct(path: &Path) -> Option<File> {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .ok()
+    fn open_direct(path: &Path) -> Option<Uncached> {
+        platform::open_uncached(path)
     }
 
     fn settings(threads: usize) -> Settings {

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod header;
 pub mod plan;
+pub mod platform;
 pub mod serialize;
 pub mod slice;
 pub mod source;

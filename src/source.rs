@@ -2,7 +2,6 @@
 //! (parallel pread into owned buffers, a private map, or the byte rows of a slice).
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
@@ -11,6 +10,7 @@ use crate::engine::{self, Input, Report, Settings};
 use crate::error::{Error, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::plan::Plan;
+use crate::platform::{self, Uncached, read_fully_at};
 use crate::slice::SlicePlan;
 use crate::storage::{self, Backend, FsKind, Strategy};
 
@@ -32,7 +32,7 @@ pub struct Source {
     pub header: Header,
     pub kind: FsKind,
     map: OnceLock<Arc<Storage>>,
-    direct: OnceLock<Option<File>>,
+    direct: OnceLock<Option<Uncached>>,
 }
 
 /// Slices with runs at least this long are read straight into the output; shorter runs are
@@ -51,7 +51,10 @@ impl Source {
         let file = File::open(path).map_err(open_err)?;
         let meta = file.metadata().map_err(open_err)?;
         if meta.is_dir() {
-            return Err(open_err(std::io::Error::from_raw_os_error(libc::EISDIR)));
+            return Err(open_err(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "Is a directory",
+            )));
         }
         let file_len = meta.len();
         let header_err = |reason| Error::header(Some(path), reason);
@@ -66,7 +69,7 @@ impl Source {
         let header = header::parse(&json, file_len).map_err(header_err)?;
         Ok(Source {
             path: path.to_path_buf(),
-            kind: FsKind::of(&file),
+            kind: FsKind::of(&file, path),
             file,
             file_len,
             header,
@@ -98,17 +101,10 @@ impl Source {
         }
     }
 
-    /// The file opened with O_DIRECT, or None where the filesystem refuses it.
-    fn direct_file(&self) -> Option<&File> {
+    /// The file opened to read around the page cache, or None where that is refused.
+    fn direct_file(&self) -> Option<&Uncached> {
         self.direct
-            .get_or_init(|| {
-                use std::os::unix::fs::OpenOptionsExt;
-                std::fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_DIRECT)
-                    .open(&self.path)
-                    .ok()
-            })
+            .get_or_init(|| platform::open_uncached(&self.path))
             .as_ref()
     }
 
@@ -292,7 +288,7 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
         threads: opts.threads.unwrap_or_else(|| {
             storage::threads_for(network.map_or(FsKind::Local, |s| s.kind), cores)
         }),
-        own_fds: network.is_some(),
+        own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,
     }
 }
 
@@ -362,18 +358,4 @@ pub fn read_tensors(
         sources.iter().for_each(|s| storage::drop_cached(&s.file));
     }
     Ok((buffers, report))
-}
-
-/// `read_at` until `buf` is full or the file ends; returns bytes read.
-fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }

@@ -2,7 +2,9 @@
 //! page-cache residency (`mincore`), and available memory.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use crate::platform;
 
 /// Where a file's bytes come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,35 +17,10 @@ pub enum FsKind {
     Network(&'static str),
 }
 
-/// Filesystem magic numbers (linux/magic.h and the filesystems' own headers).
-const MAGICS: &[(u64, FsKind)] = &[
-    (0x0102_1994, FsKind::Memory),            // tmpfs
-    (0x8584_58f6, FsKind::Memory),            // ramfs
-    (0x6573_5546, FsKind::Network("fuse")),   // FUSE (s3fs, hf-mount, virtiofs, ...)
-    (0x6969, FsKind::Network("nfs")),         // NFS
-    (0x517b, FsKind::Network("smb")),         // SMB
-    (0xfe53_4d42, FsKind::Network("smb2")),   // SMB2
-    (0xff53_4d42, FsKind::Network("cifs")),   // CIFS
-    (0x0bd0_0bd0, FsKind::Network("lustre")), // Lustre
-    (0x00c3_6400, FsKind::Network("ceph")),   // CephFS
-    (0x4750_4653, FsKind::Network("gpfs")),   // GPFS
-    (0x0102_1997, FsKind::Network("9p")),     // v9fs
-    (0x5346_414f, FsKind::Network("afs")),    // AFS
-    (0x1983_0326, FsKind::Network("beegfs")), // BeeGFS
-];
-
 impl FsKind {
-    pub fn of(file: &File) -> FsKind {
-        // SAFETY: fstatfs writes into the zeroed struct we pass; the fd is open.
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
-            return FsKind::Local;
-        }
-        let magic = st.f_type as u64 & 0xffff_ffff;
-        MAGICS
-            .iter()
-            .find(|(m, _)| *m == magic)
-            .map_or(FsKind::Local, |&(_, kind)| kind)
+    /// The kind of filesystem `file` (opened from `path`) lives on.
+    pub fn of(file: &File, path: &Path) -> FsKind {
+        platform::fs_kind(file, path)
     }
 
     pub fn name(self) -> &'static str {
@@ -55,69 +32,15 @@ impl FsKind {
     }
 }
 
-/// Pages checked per residency sample, and the number of samples spread over a file.
-const SAMPLE_PAGES: usize = 16;
-const SAMPLES: usize = 64;
-
-/// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, estimated with
-/// `mincore` on up to 64 windows of 16 pages spread evenly over a temporary read-only map (a
-/// whole-file scan costs ~50 ms on a 2.5 GiB file; this costs microseconds). None when it cannot
-/// be told.
+/// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, sampled (see
+/// [`platform::cached_fraction`]); None when it cannot be told.
 pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
-    if len == 0 {
-        return Some(1.0);
-    }
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-    let start = offset / page * page;
-    let map_len = (offset + len - start) as usize;
-    // SAFETY: a fresh shared read-only mapping of the file, never dereferenced, unmapped below.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            start as libc::off_t,
-        )
-    };
-    if addr == libc::MAP_FAILED {
-        return None;
-    }
-    let pages = map_len.div_ceil(page as usize);
-    let windows = SAMPLES.min(pages.div_ceil(SAMPLE_PAGES));
-    let mut vec = [0u8; SAMPLE_PAGES];
-    let (mut seen, mut resident, mut failed) = (0usize, 0usize, false);
-    for w in 0..windows {
-        let first = w * pages / windows;
-        let count = SAMPLE_PAGES.min(pages - first);
-        let at = first * page as usize;
-        let bytes = (count * page as usize).min(map_len - at);
-        // SAFETY: [addr+at, addr+at+bytes) lies inside the mapping; `vec` has a byte per page.
-        let rc =
-            unsafe { libc::mincore(addr.cast::<u8>().add(at).cast(), bytes, vec.as_mut_ptr()) };
-        if rc != 0 {
-            failed = true;
-            break;
-        }
-        seen += count;
-        resident += vec[..count].iter().filter(|b| **b & 1 == 1).count();
-    }
-    // SAFETY: unmapping exactly what was mapped above.
-    unsafe { libc::munmap(addr, map_len) };
-    if failed || seen == 0 {
-        return None;
-    }
-    Some(resident as f64 / seen as f64)
+    platform::cached_fraction(file, offset, len)
 }
 
-/// `MemAvailable` from /proc/meminfo, in bytes.
+/// Memory the OS can hand out without swapping, in bytes.
 pub fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    platform::available_memory()
 }
 
 /// What the caller asked for.
@@ -223,33 +146,14 @@ pub fn chunk_bytes_for(kind: FsKind) -> usize {
     }
 }
 
-/// Drops a file's clean pages from the page cache (load-once hygiene).
+/// Drops a file's clean pages from the page cache (load-once hygiene) where the OS can.
 pub fn drop_cached(file: &File) {
-    // SAFETY: advisory call on an open fd.
-    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    platform::drop_cache(file)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
-
-    #[test]
-    fn residency_follows_fadvise() {
-        let path = std::env::temp_dir().join(format!("safeload-storage-{}", std::process::id()));
-        let mut f = File::create(&path).unwrap();
-        f.write_all(&vec![1u8; 4 << 20]).unwrap();
-        f.sync_all().unwrap();
-        let f = File::open(&path).unwrap();
-        let mut sink = Vec::new();
-        std::io::Read::read_to_end(&mut &f, &mut sink).unwrap();
-        let warm = cached_fraction(&f, 0, 4 << 20).unwrap();
-        drop_cached(&f);
-        let cold = cached_fraction(&f, 0, 4 << 20).unwrap();
-        assert!(warm > 0.9, "{warm}");
-        assert!(cold < 0.5, "{cold}");
-        std::fs::remove_file(path).unwrap();
-    }
 
     #[test]
     fn choices() {

@@ -394,7 +394,7 @@ pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     let len = file.metadata().map_err(open_err)?.len();
     Ok((
         crate::storage::cached_fraction(&file, 0, len),
-        crate::storage::FsKind::of(&file).name(),
+        crate::storage::FsKind::of(&file, &path).name(),
     ))
 }
 

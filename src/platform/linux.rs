@@ -1,0 +1,151 @@
+//! Linux: `O_DIRECT`, `posix_fadvise`, `fstatfs` magic numbers, `/proc/meminfo`, transparent
+//! huge pages.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use super::Uncached;
+use crate::storage::FsKind;
+
+pub use super::unix::{cached_fraction, page_size, read_at, read_vectored_at, unmap_anonymous};
+
+pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
+pub const MAP_IS_SAFE: bool = true;
+/// 2 MiB, so large destinations can be backed by transparent huge pages.
+pub const MAP_ALIGN: usize = 2 << 20;
+/// O_DIRECT wants offset, length and address aligned to the logical block size; a page is safe
+/// for 512e and 4Kn disks.
+const DIRECT_ALIGN: u64 = 4096;
+
+pub fn open_uncached(path: &Path) -> Option<Uncached> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()?;
+    Some(Uncached {
+        file,
+        align: DIRECT_ALIGN,
+    })
+}
+
+pub fn prefetch(file: &File, offset: u64, len: u64) {
+    // SAFETY: advisory call on an open fd.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_WILLNEED,
+        )
+    };
+}
+
+pub fn drop_cache(file: &File) {
+    // SAFETY: advisory call on an open fd.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+/// Filesystem magic numbers (linux/magic.h and the filesystems' own headers).
+const MAGICS: &[(u64, FsKind)] = &[
+    (0x0102_1994, FsKind::Memory),            // tmpfs
+    (0x8584_58f6, FsKind::Memory),            // ramfs
+    (0x6573_5546, FsKind::Network("fuse")),   // FUSE (s3fs, hf-mount, virtiofs, ...)
+    (0x6969, FsKind::Network("nfs")),         // NFS
+    (0x517b, FsKind::Network("smb")),         // SMB
+    (0xfe53_4d42, FsKind::Network("smb2")),   // SMB2
+    (0xff53_4d42, FsKind::Network("cifs")),   // CIFS
+    (0x0bd0_0bd0, FsKind::Network("lustre")), // Lustre
+    (0x00c3_6400, FsKind::Network("ceph")),   // CephFS
+    (0x4750_4653, FsKind::Network("gpfs")),   // GPFS
+    (0x0102_1997, FsKind::Network("9p")),     // v9fs
+    (0x5346_414f, FsKind::Network("afs")),    // AFS
+    (0x1983_0326, FsKind::Network("beegfs")), // BeeGFS
+];
+
+pub fn fs_kind(file: &File, _path: &Path) -> FsKind {
+    // SAFETY: fstatfs writes into the zeroed struct we pass; the fd is open.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return FsKind::Local;
+    }
+    let magic = st.f_type as u64 & 0xffff_ffff;
+    MAGICS
+        .iter()
+        .find(|(m, _)| *m == magic)
+        .map_or(FsKind::Local, |&(_, kind)| kind)
+}
+
+/// `MemAvailable` from /proc/meminfo.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
+    super::unix::map_anonymous_aligned(len, MAP_ALIGN)
+}
+
+pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: advisory call on memory the caller owns.
+    unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+}
+
+/// Reads the kernel's THP `defrag` setting: faults cannot stall on compaction only with
+/// `defer` or `never`.
+pub fn huge_page_faults_cannot_stall() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/defrag")
+        .is_ok_and(|s| defrag_cannot_stall(&s))
+}
+
+/// The selected value of a THP `defrag` file is in brackets.
+fn defrag_cannot_stall(defrag: &str) -> bool {
+    let selected = defrag
+        .split('[')
+        .nth(1)
+        .and_then(|s| s.split(']').next())
+        .unwrap_or("");
+    matches!(selected, "defer" | "never")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn huge_page_policy_reads_selected_defrag() {
+        assert!(!defrag_cannot_stall(
+            "always defer defer+madvise [madvise] never"
+        ));
+        assert!(defrag_cannot_stall(
+            "always [defer] defer+madvise madvise never"
+        ));
+        assert!(!defrag_cannot_stall(
+            "always defer [defer+madvise] madvise never"
+        ));
+    }
+
+    #[test]
+    fn residency_follows_fadvise() {
+        let path = std::env::temp_dir().join(format!("safeload-residency-{}", std::process::id()));
+        let mut f = File::create(&path).unwrap();
+        f.write_all(&vec![1u8; 4 << 20]).unwrap();
+        f.sync_all().unwrap();
+        let f = File::open(&path).unwrap();
+        let mut sink = Vec::new();
+        std::io::Read::read_to_end(&mut &f, &mut sink).unwrap();
+        let warm = cached_fraction(&f, 0, 4 << 20).unwrap();
+        drop_cache(&f);
+        let cold = cached_fraction(&f, 0, 4 << 20).unwrap();
+        assert!(warm > 0.9, "{warm}");
+        assert!(cold < 0.5, "{cold}");
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -1,0 +1,225 @@
+//! The operating system, behind one small safe API. Every call into the OS that the reader
+//! needs lives here, one file per platform chosen by `cfg` (memmap2's `unix.rs` / `windows.rs`
+//! split): the rest of the crate never names `libc` or a Windows API.
+//!
+//! | need | Linux | macOS | Windows |
+//! |---|---|---|---|
+//! | positional vectored read | `preadv` | `preadv` | `seek_read` per segment |
+//! | uncached read handle | `O_DIRECT` (4 KiB aligned) | `F_NOCACHE` (no alignment) | `FILE_FLAG_NO_BUFFERING` (4 KiB aligned) |
+//! | cache hints / drop | `posix_fadvise` | `F_RDADVISE` / none | none |
+//! | filesystem kind | `fstatfs` magic | `statfs.f_fstypename` | `GetDriveTypeW`, UNC paths |
+//! | page-cache residency | `mincore` | `mincore` | unknown |
+//! | available memory | `/proc/meminfo` | `host_statistics64` | `GlobalMemoryStatusEx` |
+//! | destination memory | `mmap`, 2 MiB aligned, THP advice | `mmap` | `VirtualAlloc` |
+
+use std::fs::File;
+use std::io::{self, IoSliceMut};
+use std::path::Path;
+use std::ptr::NonNull;
+
+use crate::storage::FsKind;
+
+#[cfg(unix)]
+mod unix;
+
+#[cfg_attr(any(target_os = "linux", target_os = "android"), path = "linux.rs")]
+#[cfg_attr(target_vendor = "apple", path = "macos.rs")]
+#[cfg_attr(windows, path = "windows.rs")]
+mod os;
+
+/// A second handle on a file that reads around the page cache.
+#[derive(Debug)]
+pub struct Uncached {
+    pub file: File,
+    /// Offsets, lengths and addresses of reads must be multiples of this (1: no rule).
+    pub align: u64,
+}
+
+/// Whether several threads reading one handle at once run in parallel. Windows serialises
+/// synchronous reads on a handle, so there every worker opens its own.
+pub const PARALLEL_READS_SHARE_HANDLE: bool = os::PARALLEL_READS_SHARE_HANDLE;
+
+/// Whether `auto` may map files: not on Windows, where a mapped file cannot be replaced or
+/// deleted and safetensors 0.8's mmap path crashes (0xC0000005) on some large files.
+pub const MAP_IS_SAFE: bool = os::MAP_IS_SAFE;
+
+/// Reads at `offset` into `bufs` in order; returns how many bytes were read (0 at end of file;
+/// short reads are possible, the caller continues).
+pub fn read_vectored_at(
+    file: &File,
+    bufs: &mut [IoSliceMut<'_>],
+    offset: u64,
+) -> io::Result<usize> {
+    os::read_vectored_at(file, bufs, offset)
+}
+
+/// Reads at `offset` into `buf`; returns how many bytes were read (0 at end of file).
+pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    os::read_at(file, buf, offset)
+}
+
+/// `read_at` until `buf` is full or the file ends, retrying interrupted reads; returns the bytes
+/// read.
+pub fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match read_at(file, &mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// Opens `path` for reads that bypass the page cache, or None where the OS or the filesystem
+/// refuses (a read may still fail later with `InvalidInput`: then read buffered).
+pub fn open_uncached(path: &Path) -> Option<Uncached> {
+    os::open_uncached(path)
+}
+
+/// Whether an error from an uncached read means "this filesystem does not take uncached reads"
+/// (EINVAL / ERROR_INVALID_PARAMETER), so buffered reads should take over.
+pub fn uncached_refused(err: &io::Error) -> bool {
+    err.kind() == io::ErrorKind::InvalidInput
+}
+
+/// Tells the OS that `len` bytes at `offset` will be read soon (a hint; errors are ignored).
+pub fn prefetch(file: &File, offset: u64, len: u64) {
+    os::prefetch(file, offset, len)
+}
+
+/// Drops a file's clean pages from the page cache where the OS allows it (a hint).
+pub fn drop_cache(file: &File) {
+    os::drop_cache(file)
+}
+
+/// What kind of filesystem holds `file` (opened from `path`).
+pub fn fs_kind(file: &File, path: &Path) -> FsKind {
+    os::fs_kind(file, path)
+}
+
+/// Fraction (0..=1) of `len` bytes from `offset` of `file` in the page cache, sampled; None where
+/// it cannot be told.
+pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
+    if len == 0 {
+        return Some(1.0);
+    }
+    os::cached_fraction(file, offset, len)
+}
+
+/// Memory the OS can hand out without swapping, in bytes.
+pub fn available_memory() -> Option<u64> {
+    os::available_memory()
+}
+
+/// The VM page size.
+pub fn page_size() -> usize {
+    os::page_size()
+}
+
+/// Alignment of [`map_anonymous`] memory: 2 MiB where huge pages exist (Linux), else a page (64
+/// KiB allocation granularity on Windows).
+pub const MAP_ALIGN: usize = os::MAP_ALIGN;
+
+/// `len` bytes (rounded up to pages) of fresh, zeroed, writable memory aligned to [`MAP_ALIGN`],
+/// reserved lazily (pages are committed on first touch where the OS allows it).
+pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
+    os::map_anonymous(len)
+}
+
+/// Gives back memory from [`map_anonymous`].
+///
+/// # Safety
+/// `ptr` and `len` must be exactly what one `map_anonymous(len)` call returned and took, and
+/// nothing may use the memory afterwards.
+pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: forwarded contract.
+    unsafe { os::unmap_anonymous(ptr, len) }
+}
+
+/// Advises the OS to back `[ptr, ptr+len)` with huge pages (a hint; no-op where there are none).
+pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
+    os::advise_huge_pages(ptr, len)
+}
+
+/// Whether a huge-page fault can stall (compaction) on this machine; see `buffer`.
+pub fn huge_page_faults_cannot_stall() -> bool {
+    os::huge_page_faults_cannot_stall()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, File) {
+        let path =
+            std::env::temp_dir().join(format!("safeload-platform-{}-{tag}", std::process::id()));
+        File::create(&path).unwrap().write_all(bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        (path, file)
+    }
+
+    #[test]
+    fn vectored_reads_fill_segments_in_order() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let (path, file) = temp_file(&data, "vectored");
+        let (mut a, mut b, mut c) = (vec![0u8; 10], vec![0u8; 0], vec![0u8; 5000]);
+        let mut bufs = [
+            IoSliceMut::new(&mut a),
+            IoSliceMut::new(&mut b),
+            IoSliceMut::new(&mut c),
+        ];
+        let n = read_vectored_at(&file, &mut bufs, 100).unwrap();
+        assert!(n > 0 && n <= 5010);
+        assert_eq!(a, data[100..110]);
+        assert_eq!(&c[..n - 10], &data[110..100 + n]);
+        let mut tail = vec![0u8; 100];
+        assert_eq!(read_fully_at(&file, &mut tail, 9950).unwrap(), 50);
+        assert_eq!(tail[..50], data[9950..]);
+        assert_eq!(read_at(&file, &mut tail, 20_000).unwrap(), 0);
+        drop(file);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn uncached_handle_reads_aligned_spans() {
+        let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 241) as u8).collect();
+        let (path, file) = temp_file(&data, "uncached");
+        if let Some(u) = open_uncached(&path) {
+            assert!(u.align.is_power_of_two());
+            let span = 64 << 10;
+            let ptr = map_anonymous(span).unwrap();
+            assert_eq!(ptr.as_ptr() as usize % MAP_ALIGN, 0);
+            // SAFETY: `span` bytes just mapped, zeroed, used only here.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), span) };
+            match read_fully_at(&u.file, buf, 4096 * 3) {
+                Ok(n) => {
+                    assert_eq!(n, span);
+                    assert_eq!(&buf[..], &data[4096 * 3..4096 * 3 + span]);
+                }
+                Err(e) => assert!(uncached_refused(&e), "{e}"),
+            }
+            // SAFETY: exactly the mapping made above, no longer used.
+            unsafe { unmap_anonymous(ptr, span) };
+        }
+        prefetch(&file, 0, 4096);
+        drop_cache(&file);
+        drop(file);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn memory_and_kinds_answer() {
+        assert!(page_size() >= 4096 && page_size().is_power_of_two());
+        assert!(available_memory().is_some_and(|m| m > 0));
+        let (path, file) = temp_file(b"x", "kind");
+        // The test directory is on a local or memory filesystem on every CI machine.
+        assert!(!matches!(fs_kind(&file, &path), FsKind::Network(_)));
+        assert_eq!(cached_fraction(&file, 0, 0), Some(1.0));
+        drop(file);
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -1,0 +1,188 @@
+//! Windows: `seek_read` per segment (each worker keeps its own handle: synchronous reads on one
+//! handle are serialised), `FILE_FLAG_NO_BUFFERING` for uncached reads (sector aligned, through
+//! the engine's bounce buffer), `GetDriveTypeW` / UNC paths for the filesystem kind,
+//! `GlobalMemoryStatusEx` for memory, `VirtualAlloc` for destinations.
+
+use std::fs::File;
+use std::io::{self, IoSliceMut};
+use std::os::windows::ffi::OsStrExt;
+use std::os::windows::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+
+use windows_sys::Win32::Storage::FileSystem::{
+    FILE_FLAG_NO_BUFFERING, GetDriveTypeW, GetVolumePathNameW,
+};
+use windows_sys::Win32::System::Memory::{
+    MEM_COMMIT, MEM_RELEASE, MEM_RESERVE, PAGE_READWRITE, VirtualAlloc, VirtualFree,
+};
+use windows_sys::Win32::System::SystemInformation::{
+    GetSystemInfo, GlobalMemoryStatusEx, MEMORYSTATUSEX, SYSTEM_INFO,
+};
+use windows_sys::Win32::System::WindowsProgramming::{DRIVE_RAMDISK, DRIVE_REMOTE};
+
+use super::Uncached;
+use crate::storage::FsKind;
+
+pub const PARALLEL_READS_SHARE_HANDLE: bool = false;
+pub const MAP_IS_SAFE: bool = false;
+/// VirtualAlloc's allocation granularity.
+pub const MAP_ALIGN: usize = 64 << 10;
+/// FILE_FLAG_NO_BUFFERING wants sector-aligned offsets, lengths and addresses; 4 KiB covers
+/// 512-byte and 4Kn sectors.
+const UNCACHED_ALIGN: u64 = 4096;
+
+/// One `seek_read` per segment, in order, stopping at the first short read (std has no
+/// vectored positional read on Windows).
+pub fn read_vectored_at(
+    file: &File,
+    bufs: &mut [IoSliceMut<'_>],
+    offset: u64,
+) -> io::Result<usize> {
+    let mut done = 0usize;
+    for buf in bufs.iter_mut() {
+        if buf.is_empty() {
+            continue;
+        }
+        let n = match file.seek_read(buf, offset + done as u64) {
+            Ok(n) => n,
+            // What was read stands; the caller's next read reports the error.
+            Err(_) if done > 0 => return Ok(done),
+            Err(e) => return Err(e),
+        };
+        done += n;
+        if n < buf.len() {
+            break;
+        }
+    }
+    Ok(done)
+}
+
+pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    file.seek_read(buf, offset)
+}
+
+pub fn open_uncached(path: &Path) -> Option<Uncached> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(FILE_FLAG_NO_BUFFERING)
+        .open(path)
+        .ok()?;
+    Some(Uncached {
+        file,
+        align: UNCACHED_ALIGN,
+    })
+}
+
+/// No per-file read-ahead hint worth its cost on Windows: the cache manager reads ahead on
+/// sequential access by itself.
+pub fn prefetch(_file: &File, _offset: u64, _len: u64) {}
+
+/// Windows has no call that evicts one file's pages.
+pub fn drop_cache(_file: &File) {}
+
+fn wide(path: &Path) -> Vec<u16> {
+    path.as_os_str().encode_wide().chain([0]).collect()
+}
+
+/// UNC paths (`\\server\share\...`, `\\?\UNC\...`) and mapped network drives count as network.
+pub fn fs_kind(_file: &File, path: &Path) -> FsKind {
+    let Ok(path) = std::path::absolute(path) else {
+        return FsKind::Local;
+    };
+    if is_unc(&path.to_string_lossy()) {
+        return FsKind::Network("smb");
+    }
+    let name = wide(&path);
+    let mut root = vec![0u16; 1024];
+    // SAFETY: `name` is NUL-terminated; `root` has `root.len()` u16s of room.
+    let ok = unsafe { GetVolumePathNameW(name.as_ptr(), root.as_mut_ptr(), root.len() as u32) };
+    if ok == 0 {
+        return FsKind::Local;
+    }
+    // SAFETY: GetVolumePathNameW wrote a NUL-terminated root path.
+    match unsafe { GetDriveTypeW(root.as_ptr()) } {
+        DRIVE_REMOTE => FsKind::Network("smb"),
+        DRIVE_RAMDISK => FsKind::Memory,
+        _ => FsKind::Local,
+    }
+}
+
+fn is_unc(path: &str) -> bool {
+    let upper = path.to_ascii_uppercase();
+    upper.starts_with(r"\\?\UNC\")
+        || (upper.starts_with(r"\\") && !upper.starts_with(r"\\?\") && !upper.starts_with(r"\\.\"))
+}
+
+/// The cache manager does not say which pages of a file it holds.
+pub fn cached_fraction(_file: &File, _offset: u64, _len: u64) -> Option<f64> {
+    None
+}
+
+pub fn available_memory() -> Option<u64> {
+    // SAFETY: MEMORYSTATUSEX is plain data; dwLength must be set before the call.
+    let mut status: MEMORYSTATUSEX = unsafe { std::mem::zeroed() };
+    status.dwLength = std::mem::size_of::<MEMORYSTATUSEX>() as u32;
+    // SAFETY: the struct is ours and sized as dwLength says.
+    (unsafe { GlobalMemoryStatusEx(&mut status) } != 0).then_some(status.ullAvailPhys)
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: GetSystemInfo fills the struct we pass.
+    let mut info: SYSTEM_INFO = unsafe { std::mem::zeroed() };
+    unsafe { GetSystemInfo(&mut info) };
+    (info.dwPageSize as usize).max(4096)
+}
+
+pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
+    // SAFETY: a fresh allocation at an address of the system's choosing; checked below.
+    let ptr = unsafe {
+        VirtualAlloc(
+            std::ptr::null(),
+            len.max(1),
+            MEM_RESERVE | MEM_COMMIT,
+            PAGE_READWRITE,
+        )
+    };
+    NonNull::new(ptr.cast::<u8>()).ok_or_else(io::Error::last_os_error)
+}
+
+/// # Safety
+/// `ptr` is one `map_anonymous` result, no longer used.
+pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, _len: usize) {
+    // SAFETY: the caller's contract; MEM_RELEASE frees the whole allocation (size must be 0).
+    unsafe { VirtualFree(ptr.as_ptr().cast(), 0, MEM_RELEASE) };
+}
+
+pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
+
+pub fn huge_page_faults_cannot_stall() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unc_paths_are_network() {
+        assert!(is_unc(r"\\server\share\model.safetensors"));
+        assert!(is_unc(r"\\?\UNC\server\share\model.safetensors"));
+        assert!(!is_unc(r"\\?\C:\models\model.safetensors"));
+        assert!(!is_unc(r"C:\models\model.safetensors"));
+    }
+
+    #[test]
+    fn short_vectored_read_stops_at_end_of_file() {
+        let path = std::env::temp_dir().join(format!("safeload-win-{}", std::process::id()));
+        std::fs::write(&path, b"0123456789").unwrap();
+        let file = File::open(&path).unwrap();
+        let (mut a, mut b) = ([0u8; 4], [0u8; 10]);
+        let mut bufs = [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)];
+        assert_eq!(read_vectored_at(&file, &mut bufs, 2).unwrap(), 8);
+        assert_eq!(&a, b"2345");
+        assert_eq!(&b[..4], b"6789");
+        drop(file);
+        std::fs::remove_file(path).unwrap();
+    }
+}
