@@ -6,6 +6,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::platform;
+use crate::pool::Mapping;
 
 /// Alignment of every tensor start (cache line; what vectorised kernels expect).
 pub const TENSOR_ALIGN: usize = 64;
@@ -18,12 +19,10 @@ pub const ARENA_BYTES: usize = 8 << 20;
 
 /// An owned allocation that Rust never reads before a reader has filled it.
 pub enum Storage {
-    /// Anonymous memory: from the allocator (small) or an aligned, huge-page advised map (large).
-    Heap {
-        ptr: NonNull<u8>,
-        len: usize,
-        mapped: bool,
-    },
+    /// Small: from the global allocator.
+    Heap { ptr: NonNull<u8>, len: usize },
+    /// Large: an aligned, huge-page advised anonymous mapping, fresh or reused from the pool.
+    Mapped { mapping: Mapping, len: usize },
     /// A private (copy-on-write) map of a file, for the mmap backend.
     Map(memmap2::MmapMut),
 }
@@ -44,30 +43,23 @@ impl Storage {
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
         // SAFETY: layout has non-zero size.
         let ptr = NonNull::new(unsafe { alloc(layout) }).ok_or_else(oom)?;
-        Ok(Storage::Heap {
-            ptr,
-            len,
-            mapped: false,
-        })
+        Ok(Storage::Heap { ptr, len })
     }
 
-    /// Anonymous memory from the OS, aligned to [`platform::MAP_ALIGN`] (2 MiB on Linux) and
-    /// advised to use huge pages where that cannot stall; also what uncached reads need.
+    /// Anonymous memory aligned to [`platform::MAP_ALIGN`] (2 MiB on Linux; what uncached reads
+    /// need too), advised to use huge pages where that cannot stall; memory freed by an earlier
+    /// load is reused when one of a similar size is pooled (see [`crate::pool`]).
     pub fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
-        let ptr = platform::map_anonymous(len)?;
+        let mapping = Mapping::take(len)?;
         if huge_pages_enabled() {
-            platform::advise_huge_pages(ptr, len);
+            platform::advise_huge_pages(mapping.as_ptr(), mapping.capacity());
         }
-        Ok(Storage::Heap {
-            ptr,
-            len,
-            mapped: true,
-        })
+        Ok(Storage::Mapped { mapping, len })
     }
 
     pub fn len(&self) -> usize {
         match self {
-            Storage::Heap { len, .. } => *len,
+            Storage::Heap { len, .. } | Storage::Mapped { len, .. } => *len,
             Storage::Map(m) => m.len(),
         }
     }
@@ -79,11 +71,12 @@ impl Storage {
     /// The whole allocation as bytes, for a scratch buffer its owner reads into; None for
     /// allocator memory, which may be uninitialised.
     pub fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if matches!(self, Storage::Heap { mapped: false, .. }) {
+        if matches!(self, Storage::Heap { .. }) {
             return None;
         }
         // SAFETY: `len` bytes from the start are ours; `&mut self` makes this the only access;
-        // mapped memory comes zeroed from the OS and a file map holds the file's bytes.
+        // mapped memory comes zeroed from the OS or holds an earlier load's bytes, and a file
+        // map holds the file's bytes.
         Some(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len()) })
     }
 
@@ -91,6 +84,7 @@ impl Storage {
     pub fn as_mut_ptr(&self) -> *mut u8 {
         match self {
             Storage::Heap { ptr, .. } => ptr.as_ptr(),
+            Storage::Mapped { mapping, .. } => mapping.as_ptr().as_ptr(),
             Storage::Map(m) => m.as_ptr() as *mut u8,
         }
     }
@@ -98,16 +92,12 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        if let Storage::Heap { ptr, len, mapped } = *self {
-            if mapped {
-                // SAFETY: exactly what alloc_mapped got from map_anonymous(len).
-                unsafe { platform::unmap_anonymous(ptr, len) };
-            } else {
-                let layout =
-                    Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
-                // SAFETY: allocated in `alloc` with this layout.
-                unsafe { dealloc(ptr.as_ptr(), layout) };
-            }
+        // Mapped storage goes back through its Mapping (to the pool or the OS); maps unmap.
+        if let Storage::Heap { ptr, len } = *self {
+            let layout =
+                Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
+            // SAFETY: allocated in `alloc` with this layout.
+            unsafe { dealloc(ptr.as_ptr(), layout) };
         }
     }
 }

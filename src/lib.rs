@@ -12,6 +12,7 @@ pub mod error;
 pub mod header;
 pub mod plan;
 pub mod platform;
+pub mod pool;
 pub mod serialize;
 pub mod slice;
 pub mod source;

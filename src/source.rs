@@ -96,6 +96,7 @@ impl Source {
                     cached,
                     self.header.data_len(),
                     storage::direct_above(),
+                    storage::auto_may_map(),
                 )
             }
         }
@@ -163,6 +164,8 @@ impl Source {
                     source,
                 }
             })?;
+        // Faults read ahead further (what safetensors 0.8 advises on its maps too).
+        platform::advise_sequential(&self.file);
         Ok(self.map.get_or_init(|| Arc::new(Storage::Map(map))).clone())
     }
 

@@ -100,29 +100,40 @@ pub fn direct_above() -> Option<u64> {
     }
 }
 
-/// The backend "auto" picks for a file of `data_len` bytes (see [`direct_above`]).
+/// Where "auto" may map files: [`platform::MAP_IS_SAFE`] (not on Windows), unless
+/// `SAFELOAD_AUTO_MMAP=0`.
+pub fn auto_may_map() -> bool {
+    platform::MAP_IS_SAFE && std::env::var("SAFELOAD_AUTO_MMAP").as_deref() != Ok("0")
+}
+
+/// The backend "auto" picks for CPU tensors from a file of `data_len` bytes (devices always read
+/// with the parallel reader; the binding asks for "pread" there).
 ///
 /// - Network and FUSE filesystems: parallel pread with many requests in flight, never mmap (every
 ///   page fault would be a small remote read, and truncation under a map is SIGBUS).
-/// - Memory filesystems and warm local files: parallel pread (the copy out of the page cache runs
-///   at memory bandwidth).
-/// - Cold local files: parallel buffered pread too, unless the data is more than half of the
-///   available memory; then O_DIRECT, so that a load does not push the rest of the page cache (or
-///   its own tensors) out. Measured on the dev VM (README, "Tuning"): cold buffered pread ran
-///   1.3-2.8 GiB/s where O_DIRECT ran 1.1-1.2 GiB/s for every chunk size and thread count, since
-///   kernel readahead keeps more requests in flight than the workers do.
+/// - Local and memory filesystems: a private map, zero copy, as safetensors 0.8's default does
+///   (with the same sequential read-ahead advice): warm, every other way copies what is already in
+///   memory into fresh memory, 20-100x slower on the dev VM; cold, the page cache has to be filled
+///   anyway and the map uses it without a second copy (README, "Backends", has the table).
+/// - Except cold local files holding more than half of the available memory ([`direct_above`]):
+///   O_DIRECT, so that a load does not push the rest of the page cache (or its own tensors) out.
+/// - Where maps are not safe (`may_map` false: Windows, locked and crashing maps), parallel pread.
 pub fn choose(
     kind: FsKind,
     cached: Option<f64>,
     data_len: u64,
     direct_above: Option<u64>,
+    may_map: bool,
 ) -> Strategy {
-    match kind {
-        FsKind::Network(_) | FsKind::Memory => Strategy::Pread,
-        FsKind::Local => match (cached, direct_above) {
-            (Some(f), Some(limit)) if f < COLD_BELOW && data_len > limit => Strategy::Direct,
-            _ => Strategy::Pread,
-        },
+    if let FsKind::Network(_) = kind {
+        return Strategy::Pread;
+    }
+    match (cached, direct_above) {
+        (Some(f), Some(limit)) if kind == FsKind::Local && f < COLD_BELOW && data_len > limit => {
+            Strategy::Direct
+        }
+        _ if may_map => Strategy::Mmap,
+        _ => Strategy::Pread,
     }
 }
 
@@ -158,25 +169,43 @@ mod tests {
     #[test]
     fn choices() {
         const GIB: u64 = 1 << 30;
+        let fuse = FsKind::Network("fuse");
         assert_eq!(
-            choose(FsKind::Network("fuse"), Some(0.0), 100 * GIB, Some(GIB)),
+            choose(fuse, Some(0.0), 100 * GIB, Some(GIB), true),
             Strategy::Pread
         );
         assert_eq!(
-            choose(FsKind::Local, Some(0.0), 2 * GIB, Some(10 * GIB)),
+            choose(fuse, Some(1.0), GIB, Some(GIB), true),
             Strategy::Pread
         );
+        // Local, warm or cold: the map, as safetensors' default.
+        for cached in [Some(0.0), Some(1.0), None] {
+            assert_eq!(
+                choose(FsKind::Local, cached, 2 * GIB, Some(10 * GIB), true),
+                Strategy::Mmap
+            );
+            assert_eq!(
+                choose(FsKind::Memory, cached, 12 * GIB, Some(GIB), true),
+                Strategy::Mmap
+            );
+        }
+        // Cold and larger than half the available memory: around the page cache.
         assert_eq!(
-            choose(FsKind::Local, Some(0.0), 12 * GIB, Some(10 * GIB)),
+            choose(FsKind::Local, Some(0.0), 12 * GIB, Some(10 * GIB), true),
             Strategy::Direct
         );
         assert_eq!(
-            choose(FsKind::Local, Some(1.0), 12 * GIB, Some(10 * GIB)),
+            choose(FsKind::Local, Some(1.0), 12 * GIB, Some(10 * GIB), true),
+            Strategy::Mmap
+        );
+        // No maps (Windows): the parallel reader.
+        assert_eq!(
+            choose(FsKind::Local, None, GIB, Some(10 * GIB), false),
             Strategy::Pread
         );
         assert_eq!(
-            choose(FsKind::Memory, Some(0.0), 12 * GIB, Some(GIB)),
-            Strategy::Pread
+            choose(FsKind::Local, Some(0.0), 12 * GIB, Some(10 * GIB), false),
+            Strategy::Direct
         );
         assert!(threads_for(FsKind::Network("nfs"), 2) >= 16);
     }

@@ -13,7 +13,7 @@ import safeload.torch as sl
 from safeload._safeload import residency
 from conftest import raw_bytes
 
-from safeload import slowfs
+import slowfs  # tests/support/slowfs.py, on sys.path through conftest
 
 FUSE_SKIP = slowfs.fuse_unavailable()
 
@@ -60,7 +60,7 @@ def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypa
     evict(path)
     assert residency(path)[0] < 0.5
     with safeload.safe_open(path, "pt") as f:
-        assert f.backend == "pread"  # cold but small next to free memory: buffered (faster here)
+        assert f.backend == "mmap"  # cold but small next to free memory: mapped, as 0.8's default
     monkeypatch.setenv("SAFELOAD_DIRECT_ABOVE", "1000")  # as if the file did not fit in memory
     with safeload.safe_open(path, "pt") as f:
         assert f.backend == "direct"
@@ -69,7 +69,7 @@ def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypa
     assert residency(path)[0] < 0.5  # O_DIRECT left the page cache alone
     warm(path)
     with safeload.safe_open(path, "pt") as f:
-        assert f.backend == "pread"
+        assert f.backend == "mmap"  # warm: the page cache, mapped
         assert_equal(f.get_tensors(), want)
 
 
@@ -117,7 +117,7 @@ def test_direct_falls_back_visibly_where_refused(tmp_path, sample):
             # Either tmpfs took O_DIRECT, or the handle says it fell back to buffered reads.
             assert f.backend in ("direct", "pread")
         with safeload.safe_open(target, "pt") as f:
-            assert f.backend == "pread"  # memory filesystems never get O_DIRECT from auto
+            assert f.backend == "mmap"  # memory filesystems: mapped, never O_DIRECT
     finally:
         os.unlink(target)
 

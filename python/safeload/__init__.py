@@ -11,6 +11,8 @@ from ._safeload import (  # noqa: F401
     TensorSpec,
     __version__,
     deserialize,
+    pooled_bytes,
+    release_memory,
     serialize,
     serialize_file,
 )
@@ -23,6 +25,8 @@ __all__ = [
     "deserialize",
     "patch",
     "patched",
+    "pooled_bytes",
+    "release_memory",
     "safe_open",
     "_safe_open_handle",
     "serialize",

@@ -16,6 +16,8 @@ __all__ = [
     "deserialize",
     "read_checkpoint",
     "residency",
+    "release_memory",
+    "pooled_bytes",
     "serialize",
     "serialize_file",
 ]
@@ -84,6 +86,8 @@ def read_checkpoint(
     drop_cache: bool = False,
 ) -> Tuple[List[List[_TensorTuple]], Tuple[int, float, int, str]]: ...
 
+def release_memory() -> int: ...
+def pooled_bytes() -> int: ...
 def residency(path: Union[str, os.PathLike[str]]) -> Tuple[Optional[float], str]: ...
 
 @final

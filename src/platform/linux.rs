@@ -45,6 +45,11 @@ pub fn prefetch(file: &File, offset: u64, len: u64) {
     };
 }
 
+pub fn advise_sequential(file: &File) {
+    // SAFETY: advisory call on an open fd.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
+}
+
 pub fn drop_cache(file: &File) {
     // SAFETY: advisory call on an open fd.
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };

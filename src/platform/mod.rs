@@ -90,6 +90,11 @@ pub fn prefetch(file: &File, offset: u64, len: u64) {
     os::prefetch(file, offset, len)
 }
 
+/// Tells the OS that `file` will be read front to back (larger read-ahead; a hint).
+pub fn advise_sequential(file: &File) {
+    os::advise_sequential(file)
+}
+
 /// Drops a file's clean pages from the page cache where the OS allows it (a hint).
 pub fn drop_cache(file: &File) {
     os::drop_cache(file)

@@ -441,19 +441,25 @@ pub fn read_checkpoint(
     }
     let opts = options(threads, chunk_bytes, drop_cache);
     let refs: Vec<&Source> = sources.iter().collect();
-    // One pool for every shard: the first shard's resolution stands for all (mmap is not a
-    // whole-checkpoint strategy; callers map shards one by one instead).
-    let strategy = match refs.first().map(|s| s.resolve(backend)) {
-        Some(Strategy::Direct) => Strategy::Direct,
-        _ => Strategy::Pread,
-    };
-    let (buffers, report) = detached(py, |poll| {
-        source::read_tensors(&refs, &wanted, strategy, &opts, poll)
-    })?;
-    let used = if report.direct_refused {
-        Strategy::Pread
+    // One pool for every shard: the first shard's resolution stands for all.
+    let strategy = refs.first().map_or(Strategy::Pread, |s| s.resolve(backend));
+    let (buffers, report, used) = if strategy == Strategy::Mmap {
+        let mapped = wanted
+            .iter()
+            .map(|(i, t)| refs[*i].map_tensor(t))
+            .collect::<Result<Vec<_>, Error>>()
+            .map_err(to_py)?;
+        (mapped, Report::default(), Strategy::Mmap)
     } else {
-        strategy
+        let (buffers, report) = detached(py, |poll| {
+            source::read_tensors(&refs, &wanted, strategy, &opts, poll)
+        })?;
+        let used = if report.direct_refused {
+            Strategy::Pread
+        } else {
+            strategy
+        };
+        (buffers, report, used)
     };
     let mut out: Vec<Vec<TensorTuple>> = (0..sources.len()).map(|_| Vec::new()).collect();
     for ((file, t), b) in wanted.into_iter().zip(buffers) {

@@ -11,6 +11,19 @@ use pyo3::prelude::*;
 
 pub use errors::SafetensorError;
 
+/// Gives memory kept from freed tensors (for the next load's reuse) back to the OS now; returns
+/// the bytes released. It also goes back by itself after `SAFELOAD_POOL_IDLE_S` (10 s) idle.
+#[pyfunction]
+fn release_memory(py: Python<'_>) -> usize {
+    py.detach(crate::pool::release)
+}
+
+/// Bytes of freed tensor memory kept for reuse right now.
+#[pyfunction]
+fn pooled_bytes() -> usize {
+    crate::pool::pooled_bytes()
+}
+
 #[pymodule]
 fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
@@ -22,6 +35,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<write::TensorSpec>()?;
     m.add_function(wrap_pyfunction!(handle::read_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
+    m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;

@@ -1,0 +1,275 @@
+//! Anonymous destination memory, and freed destination memory kept for the next load.
+//!
+//! A process that loads, frees and loads again (a pipeline rebuilding a model per stage, a
+//! benchmark loop, a server swapping adapters) would otherwise fault fresh pages in on every load:
+//! on the dev VM preads into fresh memory run at 1-4 GiB/s, into memory already faulted in at
+//! 9-15 GiB/s. So a freed mapping goes to a pool, bounded in bytes, instead of back to the OS;
+//! the next allocation of a similar size takes it. Pooled memory goes back to the OS after an
+//! idle period (a reaper thread), when the bound is reached (oldest first), or on
+//! [`release`]. A mapping is only pooled once every tensor using it is gone, so no live tensor's
+//! bytes ever change.
+//!
+//! Every pool access uses `try_lock` and bypasses the pool when it is busy: allocation never
+//! waits on it, and a child forked while another thread held the lock cannot deadlock.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::platform;
+
+/// An anonymous mapping of `capacity` bytes, aligned to [`platform::MAP_ALIGN`]; its memory is
+/// zeroed when fresh, or holds a previous owner's bytes when it came from the pool.
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    capacity: usize,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; writers go through pointers whose disjointness the read plan guarantees.
+unsafe impl Sync for Mapping {}
+
+struct Pooled {
+    mapping: Mapping,
+    freed: Instant,
+}
+
+#[derive(Default)]
+struct Pool {
+    free: Vec<Pooled>,
+    bytes: usize,
+    reaper: bool,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    free: Vec::new(),
+    bytes: 0,
+    reaper: false,
+});
+
+/// Bytes the pool may hold: `SAFELOAD_POOL_BYTES` when set (0 turns it off), else a quarter of
+/// the memory available at first use, at most 16 GiB.
+pub fn limit() -> usize {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        match std::env::var("SAFELOAD_POOL_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            Some(bytes) => bytes,
+            None => platform::available_memory().map_or(0, |m| (m / 4).min(16 << 30) as usize),
+        }
+    })
+}
+
+/// How long freed memory stays pooled: `SAFELOAD_POOL_IDLE_S` (seconds), else 10 s.
+fn idle() -> Duration {
+    static IDLE: OnceLock<Duration> = OnceLock::new();
+    *IDLE.get_or_init(|| {
+        let secs = std::env::var("SAFELOAD_POOL_IDLE_S")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .unwrap_or(10.0);
+        Duration::from_secs_f64(secs)
+    })
+}
+
+/// A pooled mapping fits a request when it is at least as large and wastes at most an eighth
+/// plus one huge page.
+fn fits(capacity: usize, need: usize) -> bool {
+    capacity >= need && capacity - need <= need / 8 + (2 << 20)
+}
+
+impl Mapping {
+    /// At least `len` bytes: the best-fitting pooled mapping, else a fresh one.
+    pub fn take(len: usize) -> io::Result<Mapping> {
+        let need = len.max(1).next_multiple_of(platform::page_size());
+        if let Ok(mut pool) = POOL.try_lock() {
+            let best = pool
+                .free
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| fits(p.mapping.capacity, need))
+                .min_by_key(|(_, p)| p.mapping.capacity)
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                let p = pool.free.swap_remove(i);
+                pool.bytes -= p.mapping.capacity;
+                return Ok(p.mapping);
+            }
+        }
+        let ptr = platform::map_anonymous(need)?;
+        Ok(Mapping {
+            ptr,
+            capacity: need,
+        })
+    }
+
+    pub fn as_ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.capacity == 0 {
+            return; // unmapped already, or moved into the pool
+        }
+        let limit = limit();
+        if self.capacity <= limit
+            && let Ok(mut pool) = POOL.try_lock()
+        {
+            let mapping = Mapping {
+                ptr: self.ptr,
+                capacity: self.capacity,
+            };
+            self.capacity = 0; // ownership moved to the pool
+            pool.bytes += mapping.capacity;
+            pool.free.push(Pooled {
+                mapping,
+                freed: Instant::now(),
+            });
+            // Over the bound: the oldest go back to the OS (they are dropped with capacity 0
+            // after being unmapped here, outside this recursion).
+            let mut evicted = Vec::new();
+            while pool.bytes > limit {
+                let oldest = pool
+                    .free
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, p)| p.freed)
+                    .map(|(i, _)| i)
+                    .expect("bytes > 0 means entries");
+                let p = pool.free.swap_remove(oldest);
+                pool.bytes -= p.mapping.capacity;
+                evicted.push(p.mapping);
+            }
+            if !pool.reaper {
+                pool.reaper = start_reaper();
+            }
+            drop(pool);
+            evicted.into_iter().for_each(Mapping::unmap);
+            return;
+        }
+        // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
+        unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };
+        self.capacity = 0;
+    }
+}
+
+impl Mapping {
+    /// Gives the memory back to the OS, bypassing the pool.
+    fn unmap(mut self) {
+        if self.capacity > 0 {
+            // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
+            unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };
+        }
+        self.capacity = 0;
+    }
+}
+
+/// Starts the thread that returns idle pooled memory; false if it could not be started (then
+/// the next free tries again).
+fn start_reaper() -> bool {
+    std::thread::Builder::new()
+        .name("safeload-pool".into())
+        .spawn(|| {
+            loop {
+                let idle = idle();
+                std::thread::sleep(idle.max(Duration::from_millis(50)) / 2);
+                let mut expired = Vec::new();
+                let Ok(mut pool) = POOL.lock() else { return };
+                let now = Instant::now();
+                let mut i = 0;
+                while i < pool.free.len() {
+                    if now.duration_since(pool.free[i].freed) >= idle {
+                        let p = pool.free.swap_remove(i);
+                        pool.bytes -= p.mapping.capacity;
+                        expired.push(p.mapping);
+                    } else {
+                        i += 1;
+                    }
+                }
+                let empty = pool.free.is_empty();
+                if empty {
+                    pool.reaper = false;
+                }
+                drop(pool);
+                expired.into_iter().for_each(Mapping::unmap);
+                if empty {
+                    return;
+                }
+            }
+        })
+        .is_ok()
+}
+
+/// Gives every pooled mapping back to the OS now; returns the bytes released.
+pub fn release() -> usize {
+    let drained: Vec<Pooled> = match POOL.lock() {
+        Ok(mut pool) => {
+            pool.bytes = 0;
+            std::mem::take(&mut pool.free)
+        }
+        Err(_) => return 0,
+    };
+    let bytes = drained.iter().map(|p| p.mapping.capacity).sum();
+    drained.into_iter().for_each(|p| p.mapping.unmap());
+    bytes
+}
+
+/// Bytes held by the pool now.
+pub fn pooled_bytes() -> usize {
+    POOL.lock().map_or(0, |p| p.bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_rule() {
+        assert!(fits(8 << 20, 8 << 20));
+        assert!(fits(10 << 20, 8 << 20));
+        assert!(!fits(12 << 20, 8 << 20));
+        assert!(!fits(4 << 20, 8 << 20));
+        assert!(fits(512 << 20, 480 << 20));
+    }
+
+    #[test]
+    fn freed_memory_is_reused_then_released() {
+        // One test touches the process-wide pool, so the steps run in sequence here.
+        if limit() < (64 << 20) {
+            return; // pool turned off on this machine
+        }
+        release();
+        let len = 24 << 20;
+        let first = Mapping::take(len).unwrap();
+        let addr = first.as_ptr();
+        // SAFETY: the mapping is ours and `len` bytes long.
+        unsafe { addr.as_ptr().write_bytes(7, len) };
+        drop(first);
+        assert!(pooled_bytes() >= len);
+        let second = Mapping::take(len - 4096).unwrap();
+        assert_eq!(
+            second.as_ptr(),
+            addr,
+            "a similar size reuses the freed mapping"
+        );
+        // SAFETY: in bounds; the pooled memory keeps what was written (already faulted in).
+        assert_eq!(unsafe { *second.as_ptr().as_ptr().add(len / 2) }, 7);
+        drop(second);
+        let far = Mapping::take(len * 4).unwrap();
+        assert_ne!(far.as_ptr(), addr, "a much larger size gets fresh memory");
+        drop(far);
+        assert!(release() >= len);
+        assert_eq!(pooled_bytes(), 0);
+    }
+}
