@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import struct
+import sys
 from typing import Any, Dict, Optional, Union
 
 import numpy as np
@@ -19,6 +21,9 @@ import safetensors
 import safetensors.torch as st_torch
 
 import safeload
+
+# tests/support/slowfs.py (the compiled slow/faulty FUSE filesystem) is imported as ``slowfs``.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 # Every safetensors dtype code torch has, with its torch dtype (F4 packs two values per element).
 TORCH_DTYPES: Dict[str, torch.dtype] = {
@@ -163,3 +168,19 @@ def catch(fn, *args, **kwargs):
         return ("ok", fn(*args, **kwargs))
     except Exception as e:  # noqa: BLE001
         return (type(e).__name__, str(e))
+
+
+def mixed_tensors(seed: int = 0, big_rows: int = 70) -> dict:
+    """Every torch dtype of the format (bf16, fp8, F4) in random small shapes, scalars, empty
+    tensors, odd sizes, and a BF16 tensor of ``big_rows`` x 129 spanning several reads."""
+    rng = random.Random(seed)
+    tensors = {}
+    for i, code in enumerate(TORCH_DTYPES):
+        shape = rng.choice([(), (0,), (1,), (3, 0, 2), (7,), (5, 3), (2, 3, 5), (1031,), (64, 33)])
+        if code == "F4" and shape == ():
+            shape = (3,)
+        tensors[f"t{i:02d}_{code}"] = make_tensor(code, shape, seed=seed * 100 + i)
+    tensors["big"] = make_tensor("BF16", (big_rows, 129), seed=seed + 7)
+    tensors["scalar_f64"] = make_tensor("F64", (), seed=seed + 8)
+    tensors["empty_f32"] = make_tensor("F32", (0, 4), seed=seed + 9)
+    return tensors

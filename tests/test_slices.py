@@ -1,8 +1,11 @@
 """get_slice(name)[key] must equal indexing the full tensor with the same key (torch and numpy).
 
-Where safeload deliberately differs from safetensors 0.8 (negative starts, start > stop, steps,
-Ellipsis) the reference is torch / numpy indexing, not 0.8. What 0.8's own tests pin is kept:
-a slice stop past the dimension raises, as do out-of-range ints and non-empty lists.
+Where safeload deliberately differs from safetensors 0.8's pread path (negative starts,
+start > stop, steps, Ellipsis) the reference is torch / numpy indexing. With framework="pt" every
+backend follows torch indexing, as 0.8's default (torch, mmap) does: a slice start or stop past
+the end of a dimension is clamped to it, checked against both torch and 0.8's default. With
+framework="np" a stop past the end raises with 0.8's message, which 0.8's own tests pin. Ints out
+of range and non-empty lists raise under both (for pt the error is also torch's IndexError).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import safetensors
 import safetensors.torch as st_torch
 
 import safeload
@@ -20,7 +24,7 @@ from safeload import SafetensorError
 
 from conftest import assert_tensor_equal, make_tensor, raw_bytes
 
-SLICE_BACKENDS = ["pread", "mmap"]
+SLICE_BACKENDS = ["pread", "mmap", "direct", "auto"]
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -54,32 +58,32 @@ def _bound(size):
     return st.one_of(st.none(), st.integers(-size - 3, size + 3))
 
 
-def _stop(size):
-    # stops past the end raise (0.8's rule, tested separately): stay within [.., size]
-    return st.one_of(st.none(), st.integers(-size - 3, size))
+def _stop(size, past_end):
+    # numpy: stops past the end raise (0.8's rule, tested separately): stay within [.., size]
+    return _bound(size) if past_end else st.one_of(st.none(), st.integers(-size - 3, size))
 
 
-def dim_index(size):
-    slices = st.builds(slice, _bound(size), _stop(size), st.sampled_from([None, 1, 2, 3]))
+def dim_index(size, past_end=False):
+    slices = st.builds(slice, _bound(size), _stop(size, past_end), st.sampled_from([None, 1, 2, 3]))
     if size == 0:
         return slices
     return st.one_of(st.integers(-size, size - 1), slices)
 
 
 @st.composite
-def shape_and_key(draw):
+def shape_and_key(draw, past_end=False):
     shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4))
     ndim = len(shape)
     if draw(st.booleans()):
         # leading indices, an Ellipsis for the dims in between, trailing indices
         lead = draw(st.integers(0, ndim))
         trail = draw(st.integers(0, ndim - lead))
-        items = [draw(dim_index(shape[i])) for i in range(lead)]
+        items = [draw(dim_index(shape[i], past_end)) for i in range(lead)]
         items.append(Ellipsis)
-        items += [draw(dim_index(shape[i])) for i in range(ndim - trail, ndim)]
+        items += [draw(dim_index(shape[i], past_end)) for i in range(ndim - trail, ndim)]
     else:
         k = draw(st.integers(0, ndim))
-        items = [draw(dim_index(shape[i])) for i in range(k)]
+        items = [draw(dim_index(shape[i], past_end)) for i in range(k)]
     if len(items) == 1 and draw(st.booleans()):
         key = items[0]
     else:
@@ -90,7 +94,7 @@ def shape_and_key(draw):
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
 @SETTINGS
-@given(case=shape_and_key())
+@given(case=shape_and_key(past_end=True))
 def test_slice_equals_torch_indexing(files, backend, case):
     shape, key, name = case
     path, tensors = files(shape)
@@ -98,6 +102,20 @@ def test_slice_equals_torch_indexing(files, backend, case):
     with safeload.safe_open(path, "pt", backend=backend) as f:
         got = f.get_slice(name)[key]
     assert_tensor_equal(got, expected.contiguous(), f"{shape} {name} [{key!r}]")
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@SETTINGS
+@given(case=shape_and_key(past_end=True))
+def test_slice_equals_safetensors_default(files, backend, case):
+    """framework="pt": the same result as 0.8's default (mmap), starts and stops past the end included."""
+    shape, key, name = case
+    path, _ = files(shape)
+    with safetensors.safe_open(path, "pt") as f:
+        expected = f.get_slice(name)[key].contiguous()
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        got = f.get_slice(name)[key]
+    assert_tensor_equal(got, expected, f"{shape} {name} [{key!r}]")
 
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
@@ -149,6 +167,25 @@ KEYS = [
     [],
 ]
 
+# A stop past the end of a dimension (A is 10 x 5): torch clamps, numpy keeps 0.8's error.
+PAST_END_KEYS = [
+    slice(None, 20),
+    slice(0, 11),
+    slice(5, 11),
+    slice(3, 100, 2),
+    slice(None, 100, 3),
+    slice(8, 30, 4),
+    slice(20, 30),
+    slice(-20, 20),
+    slice(-3, 1 << 40),
+    (slice(None), slice(2, 50)),
+    (slice(1, 3), slice(None, 9, 2)),
+    (Ellipsis, slice(4, 6)),
+    (slice(9, 15), Ellipsis),
+    (slice(None, 20), -1),
+    (slice(None, 12, 5), slice(3, 7)),
+]
+
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
 @pytest.mark.parametrize("key", KEYS, ids=repr)
@@ -158,9 +195,26 @@ def test_known_keys(tmp_path, backend, key):
     with safeload.safe_open(path, "pt", backend=backend) as f:
         got = f.get_slice("a")[key]
     assert_tensor_equal(got, A[key].contiguous(), repr(key))
+    with safetensors.safe_open(path, "pt") as f:  # 0.8's default: torch indexing of an mmap
+        assert_tensor_equal(got, f.get_slice("a")[key].contiguous(), repr(key))
     with safeload.safe_open(path, "np", backend=backend) as f:
         got_np = f.get_slice("a")[key]
     assert_tensor_equal(got_np, np.array(A.numpy()[key]), repr(key))
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@pytest.mark.parametrize("key", PAST_END_KEYS, ids=repr)
+def test_stop_past_end_pt_clamps_np_raises(tmp_path, backend, key):
+    path = str(tmp_path / "a.safetensors")
+    st_torch.save_file({"a": A}, path)
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        got = f.get_slice("a")[key]
+    assert_tensor_equal(got, A[key].contiguous(), repr(key))
+    with safetensors.safe_open(path, "pt") as f:
+        assert_tensor_equal(got, f.get_slice("a")[key].contiguous(), repr(key))
+    with safeload.safe_open(path, "np", backend=backend) as f:
+        with pytest.raises(SafetensorError, match="out of bounds for tensor dimension"):
+            f.get_slice("a")[key]
 
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
@@ -207,9 +261,8 @@ def a_file(tmp_path):
 
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
-@pytest.mark.parametrize("framework", ["pt", "np"])
-def test_stop_past_end_raises_with_0_8_message(a_file, backend, framework):
-    with safeload.safe_open(a_file, framework, backend=backend) as f:
+def test_stop_past_end_raises_with_0_8_message_for_numpy(a_file, backend):
+    with safeload.safe_open(a_file, "np", backend=backend) as f:
         s = f.get_slice("a")
         cases = [
             (slice(None, 20), "Error during slicing [:20] with shape [10, 5]: index 19 out of bounds for tensor dimension #0 of size 10"),
@@ -232,14 +285,32 @@ def test_any_stop_past_end_raises(a_file, backend, data):
     start = data.draw(st.one_of(st.none(), st.integers(0, size - 1)))
     step = data.draw(st.sampled_from([None, 1, 2, 3]))
     key = (slice(start, stop, step),) if dim == 0 else (slice(None), slice(start, stop, step))
-    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+    with safeload.safe_open(a_file, "np", backend=backend) as f:
         with pytest.raises(SafetensorError, match="out of bounds for tensor dimension"):
             f.get_slice("a")[key]
 
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)
-def test_int_index_out_of_range(a_file, backend):
+@SETTINGS
+@given(data=st.data())
+def test_any_stop_past_end_clamps_for_torch(a_file, backend, data):
+    dim = data.draw(st.integers(0, 1))
+    size = A.shape[dim]
+    stop = data.draw(st.integers(size + 1, size + 20))
+    start = data.draw(st.one_of(st.none(), st.integers(-size - 5, size + 5)))
+    step = data.draw(st.sampled_from([None, 1, 2, 3, 7]))
+    key = (slice(start, stop, step),) if dim == 0 else (slice(None), slice(start, stop, step))
     with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        got = f.get_slice("a")[key]
+    assert_tensor_equal(got, A[key].contiguous(), repr(key))
+    with safetensors.safe_open(a_file, "pt") as f:
+        assert_tensor_equal(got, f.get_slice("a")[key].contiguous(), repr(key))
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_int_index_out_of_range(a_file, backend, framework):
+    with safeload.safe_open(a_file, framework, backend=backend) as f:
         s = f.get_slice("a")
         with pytest.raises(SafetensorError) as e:
             s[10]
@@ -253,9 +324,35 @@ def test_int_index_out_of_range(a_file, backend):
         with pytest.raises(SafetensorError) as e:
             s[-11]
         assert str(e.value) == "Invalid index -11 for dimension 0 of size 10"
+        with pytest.raises(SafetensorError) as e:
+            s[:20, 7]  # the int is out of range, the clamped (pt) or raising (np) stop is not named
+        assert str(e.value) == (
+            "Error during slicing [:20, 7] with shape [10, 5]: index 7 out of bounds for tensor dimension #1 of size 5"
+            if framework == "pt"
+            else "Error during slicing [:20, 7] with shape [10, 5]: index 19 out of bounds for tensor dimension #0 of size 10"
+        )
         # -size itself is fine
-        assert_tensor_equal(s[-10], A[-10])
-        assert_tensor_equal(s[:, -5], A[:, -5].contiguous())
+        ref = A if framework == "pt" else A.numpy()
+        assert_tensor_equal(s[-10], ref[-10])
+        assert_tensor_equal(s[:, -5], np.ascontiguousarray(ref[:, -5]) if framework == "np" else A[:, -5].contiguous())
+
+
+OUT_OF_RANGE_KEYS = [
+    10, -11, 1 << 40, -(1 << 40), (slice(None), 5), (slice(None), -6), (slice(2, None), 20), (slice(None, 20), 7), (0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("backend", SLICE_BACKENDS)
+@pytest.mark.parametrize("key", OUT_OF_RANGE_KEYS, ids=repr)
+def test_out_of_range_is_index_error_for_torch(a_file, backend, key):
+    """0.8's default (torch indexing) raises IndexError: safeload's error is both that and a SafetensorError."""
+    with safetensors.safe_open(a_file, "pt") as f:
+        with pytest.raises(IndexError):
+            f.get_slice("a")[key]
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        with pytest.raises(IndexError) as e:
+            f.get_slice("a")[key]
+        assert isinstance(e.value, SafetensorError)
 
 
 @pytest.mark.parametrize("backend", SLICE_BACKENDS)

@@ -20,7 +20,7 @@ import safeload.torch
 from safeload import SafetensorError, _checkpoint, _device, _staging
 from safeload._safeload import Handle
 
-from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor
+from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tensors
 
 # (ring buffers, buffer bytes): tiny rings so tensors straddle many fills, odd sizes, one buffer.
 RINGS = [(2, 4096), (3, 1000), (1, 777), (4, 1), (2, 64 << 20)]
@@ -55,21 +55,6 @@ def check_order(log):
     assert log[-1] == ("finish",)
     fills = [e[1] for e in log if e[0] == "fill"]
     assert fills == sorted(fills) and sorted(completed) == fills
-
-
-def mixed_tensors(seed=0):
-    """Odd sizes, scalars, empty tensors, and every torch dtype of the format (bf16, fp8, F4)."""
-    rng = random.Random(seed)
-    tensors = {}
-    for i, code in enumerate(TORCH_DTYPES):
-        shape = rng.choice([(), (0,), (1,), (3, 0, 2), (7,), (5, 3), (2, 3, 5), (1031,), (64, 33)])
-        if code == "F4" and shape == ():
-            shape = (3,)
-        tensors[f"t{i:02d}_{code}"] = make_tensor(code, shape, seed=seed * 100 + i)
-    tensors["big"] = make_tensor("BF16", (70, 129), seed=seed + 7)  # many fills per tensor
-    tensors["scalar_f64"] = make_tensor("F64", (), seed=seed + 8)
-    tensors["empty_f32"] = make_tensor("F32", (0, 4), seed=seed + 9)
-    return tensors
 
 
 # -- planner --------------------------------------------------------------------------------------

@@ -15,12 +15,16 @@ DEFAULT_BACKEND = "auto"
 BACKEND_ENV = "SAFELOAD_BACKEND"
 
 
-def resolve_backend(backend: Any) -> str:
-    """The backend name to use: ``backend``, or ``$SAFELOAD_BACKEND`` when it is the default."""
+def resolve_backend(backend: Any, device: str = "cpu") -> str:
+    """The backend name to use: ``backend``, or ``$SAFELOAD_BACKEND`` when it is the default.
+    Devices load through the parallel reader (staging ring, MPS alias), so "auto" means "pread"
+    there; for the CPU the Rust side resolves "auto" per file."""
     if not isinstance(backend, str):
         raise TypeError(f"argument 'backend': {type(backend).__name__!r} object is not a str")
     if backend == DEFAULT_BACKEND:
-        return os.environ.get(BACKEND_ENV) or backend
+        backend = os.environ.get(BACKEND_ENV) or backend
+    if backend == DEFAULT_BACKEND and device != "cpu":
+        return "pread"
     return backend
 
 
@@ -90,7 +94,7 @@ class safe_open:
         device_name = _device.parse(device)
         self._handle = Handle(
             os.fspath(filename),
-            resolve_backend(backend),
+            resolve_backend(backend, device_name),
             threads=threads,
             chunk_bytes=chunk_bytes,
             drop_cache=drop_cache,
@@ -212,6 +216,52 @@ def _expand(key: Any, ndim: int) -> List[Any]:
     return out
 
 
+class SliceIndexError(SafetensorError, IndexError):
+    """An integer index out of range in ``get_slice(name)[...]`` with ``framework="pt"``: a
+    ``SafetensorError`` with 0.8's ``backend="pread"`` message that is also the ``IndexError``
+    torch indexing (0.8's default, mmap) raises."""
+
+
+def _describe(indices: List[Any], shape: List[int]) -> str:
+    """0.8's rendering of a slicing key, e.g. ``Error during slicing [2:, 20] with shape [10, 5]``."""
+
+    def one(k: Any) -> str:
+        if isinstance(k, tuple):
+            start, stop, step = ("" if v is None else str(v) for v in k)
+            return f"{start}:{stop}" if step in ("", "1") else f"{start}:{stop}:{step}"
+        return str(k)
+
+    return f"Error during slicing [{', '.join(one(k) for k in indices)}] with shape {list(shape)}"
+
+
+def _torch_bounds(indices: List[Any], shape: List[int]) -> List[Any]:
+    """Torch indexing bounds for ``framework="pt"``: slice starts and stops outside a dimension
+    are clamped to it (``[:n]`` with n past the end is the whole dimension, as under torch and
+    0.8's default mmap backend); an int out of range raises ``SliceIndexError``. numpy and the
+    other frameworks keep 0.8's error for a stop past the end (0.8's own tests pin it)."""
+    if len(indices) > len(shape):  # torch: IndexError "too many indices"
+        raise SliceIndexError(f"{_describe(indices, shape)}: more slicing indexes than dimensions in tensor")
+    out: List[Any] = []
+    for dim, (k, size) in enumerate(zip(indices, shape)):
+        if isinstance(k, tuple):
+            start, stop, step = k
+            if step is not None and step <= 0:
+                return out + list(indices[dim:])  # the reader raises its step error
+            if step is not None and step > size:
+                step = max(size, 1)  # same elements; keeps huge steps within i64
+            start = None if start is None else min(max(start, -size), size)
+            stop = None if stop is None else min(max(stop, -size), size)
+            out.append((start, stop, step))
+        elif k < -size:
+            raise SliceIndexError(f"Invalid index {k} for dimension {dim} of size {size}")
+        elif k >= size:
+            where = f"tensor dimension #{dim} of size {size}"
+            raise SliceIndexError(f"{_describe(indices, shape)}: index {k} out of bounds for {where}")
+        else:
+            out.append(k)
+    return out
+
+
 class SafeSlice:
     """What ``get_slice`` returns: shape and dtype without reading, and ``[...]`` indexing."""
 
@@ -230,6 +280,8 @@ class SafeSlice:
 
     def __getitem__(self, key: Any) -> Any:
         indices = _expand(key, len(self._shape))
+        if self._owner._framework == "pytorch":
+            indices = _torch_bounds(indices, self._shape)
         code, shape, data = self._handle.read_slice(self._name, indices)
         return self._owner._tensor(self._name, code, shape, data)
 

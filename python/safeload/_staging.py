@@ -9,8 +9,10 @@ returned only once every copy is complete, so user code never sees partial data.
 use is bounded by the ring (``ring_buffers x buffer_bytes``, default 4 x 64 MiB), whatever the
 checkpoint size.
 
-MPS and other torch devices (xpu, npu, hpu ...): the same ring in plain host memory, each tensor
-gathered into host memory it owns, then ``.to(device)`` once complete (never mmap-backed).
+MPS: straight into the device tensors through torch's host alias of their storage where torch has
+it (:mod:`safeload._mps`), else like the other torch devices (xpu, npu, hpu ...): the same ring in
+plain host memory, each tensor gathered into host memory it owns, then ``.to(device)`` once
+complete (never mmap-backed).
 
 The parts are separate so the scheduling is tested byte for byte without a GPU:
 
@@ -29,7 +31,7 @@ import re
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from . import _device
+from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
 from ._safeload import Handle, SafetensorError
 
@@ -396,11 +398,15 @@ def load_to_device(
         per_source = [None if n is None else list(n) for n in names]
         if len(per_source) != len(items):
             raise ValueError("names: one entry per source")
+    mps: Any = None
     if sink is None:
         target = _device.torch_device(_device.parse(device) or "cpu")  # raises before any read
         if target.type == "cpu":
             raise ValueError("load_to_device: device is the CPU (use the plain reader)")
-        sink = make_sink(target)
+        if target.type == "mps":
+            mps = target  # straight into device memory when torch aliases it (safeload._mps)
+        else:
+            sink = make_sink(target)
     n_buffers, buf_bytes = ring_config(ring_buffers, buffer_bytes)
 
     handles: List[Handle] = []
@@ -414,26 +420,21 @@ def load_to_device(
                            drop_cache=drop_cache)
                 opened.append(h)
                 handles.append(h)
+        if mps is not None:
+            out = _mps.load(handles, wanted_tensors(handles, per_source), mps, progress)
+            if out is not None:
+                return out
+            sink = make_sink(mps)  # no usable alias: host memory, then .to
+        assert sink is not None
         return _load(handles, per_source, sink, n_buffers, buf_bytes, progress)
     finally:
         for h in opened:
             h.close()
 
 
-def _load(
-    handles: List[Handle],
-    per_source: List[Optional[List[str]]],
-    sink: Sink,
-    n_buffers: int,
-    buf_bytes: int,
-    progress: Optional[Progress],
-) -> Dict[str, Any]:
-    global last_stats
-    started = time.perf_counter()
-    stats = StagingStats()
-    stats.pinned = sink.pinned
-
-    # Wanted tensors, per file in offset order; types checked before anything is allocated.
+def wanted_tensors(handles: Sequence[Handle], per_source: Sequence[Optional[List[str]]]) -> List[List[Info]]:
+    """Wanted tensors, per file in offset order; names and types checked before anything is
+    allocated."""
     wanted: List[List[Info]] = []
     seen: Dict[str, int] = {}
     for i, (h, want) in enumerate(zip(handles, per_source)):
@@ -451,6 +452,23 @@ def _load(
             seen[name] = i
             torch_dtype(code, name)
         wanted.append(infos)
+    return wanted
+
+
+def _load(
+    handles: List[Handle],
+    per_source: List[Optional[List[str]]],
+    sink: Sink,
+    n_buffers: int,
+    buf_bytes: int,
+    progress: Optional[Progress],
+) -> Dict[str, Any]:
+    global last_stats
+    started = time.perf_counter()
+    stats = StagingStats()
+    stats.pinned = sink.pinned
+
+    wanted = wanted_tensors(handles, per_source)
 
     fills: List[Fill] = []
     for i, infos in enumerate(wanted):

@@ -19,11 +19,14 @@ the page cache (``posix_fadvise(DONTNEED)``) in the worker right before the time
 records how much of the file was still resident (``mincore``) to show the drop worked.
 
 ``--slow-fs [LATENCY_S]`` replaces both with one state, *fuse*: every dataset's directory is
-mirrored through a ``safeload.slowfs`` FUSE mount (made once per dataset for the whole run in a
-temporary directory, unmounted at the end, also on error or Ctrl-C) that adds LATENCY_S to every
-read request, and every contender reads through it.  FUSE drops the kernel's page cache of a file
-at each open (no ``keep_cache``), so every load goes through the daemon; the files under the
-mount are kept warm so the added latency, not the disk, is what is measured.
+mirrored through a slowfs FUSE mount (``tests/support/slowfs.c``, compiled on first use: needs a
+checkout, fuse3, libfuse3-dev, pkg-config and a C compiler; made once per dataset for the whole
+run in a temporary directory, unmounted at the end, also on error or Ctrl-C) that adds LATENCY_S
+to every read request, and every contender reads through it.  ``--slow-fs-options`` passes more
+slowfs options (e.g. ``"--max-background 128"`` for a tuned mount; kernel defaults otherwise).
+FUSE drops the kernel's page cache of a file at each open (no ``keep_cache``), so every load goes
+through the daemon; the files under the mount are kept warm so the added latency, not the disk,
+is what is measured.
 
 Two reference rates bound what a loader can reach on the same files:
 
@@ -50,6 +53,7 @@ import os
 import platform
 import random
 import resource
+import shlex
 import signal
 import statistics
 import subprocess
@@ -770,8 +774,8 @@ def render_markdown(result: Dict[str, Any]) -> str:
     ]
     sf = result.get("slow_fs")
     if sf:
-        lines.append(f"- **slow FS**: every file read through a safeload.slowfs FUSE mount of the dataset's directory, "
-                     f"+{sf['latency_s'] * 1e3:g} ms per read request; cache state `fuse` (FUSE drops the page cache at "
+        lines.append(f"- **slow FS**: every file read through a slowfs FUSE mount of the dataset's directory, "
+                     f"+{sf['latency_s'] * 1e3:g} ms per read request, options `{sf.get('options') or 'kernel defaults'}`; cache state `fuse` (FUSE drops the page cache at "
                      "each open; the files under the mount are warm)")
     lines += [
         "",
@@ -938,13 +942,32 @@ def _mount_root(ds: Dataset) -> str:
     return root if os.path.isdir(root) else os.path.dirname(root)
 
 
+def _load_slowfs() -> Any:
+    """tests/support/slowfs.py of the checkout this package runs from (or $SLOWFS_MODULE): slowfs is
+    test support, not part of the wheel."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.environ.get("SLOWFS_MODULE", ""), os.path.join(here, "..", "..", "tests", "support", "slowfs.py"),
+                  os.path.join(os.getcwd(), "tests", "support", "slowfs.py")]
+    for path in candidates:
+        if path and os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("slowfs", path)
+            if spec and spec.loader:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module
+    raise SystemExit("--slow-fs needs tests/support/slowfs.py from a safeload checkout (run from the checkout, "
+                     "or set SLOWFS_MODULE to its path)")
+
+
 @contextlib.contextmanager
-def _slow_mounts(datasets: Sequence[Dataset], latency: float, log: Callable[[str], None]) -> Any:
+def _slow_mounts(datasets: Sequence[Dataset], latency: float, log: Callable[[str], None],
+                 options: Sequence[str] = ()) -> Any:
     """Mounts each dataset's directory through slowfs (once, for the whole run) and yields the
     datasets with every path rewritten to go through its mount; unmounts on exit, also on error,
     Ctrl-C (KeyboardInterrupt) or SIGTERM/SIGHUP (turned into KeyboardInterrupt meanwhile)."""
-    from . import slowfs
-
+    slowfs = _load_slowfs()
     why = slowfs.fuse_unavailable()
     if why:
         raise SystemExit(f"--slow-fs: no FUSE mount possible here: {why}")
@@ -965,8 +988,9 @@ def _slow_mounts(datasets: Sequence[Dataset], latency: float, log: Callable[[str
             for i, ds in enumerate(datasets):
                 root = _mount_root(ds)
                 mp = os.path.join(tmp, f"{i}-{ds.name}")
-                log(f"mounting {root} at {mp} through slowfs (+{latency * 1e3:g} ms per read request)")
-                stack.enter_context(slowfs.mounted(root, mp, "--latency", repr(latency)))
+                log(f"mounting {root} at {mp} through slowfs (+{latency * 1e3:g} ms per read request"
+                    + (f", {' '.join(options)})" if options else ")"))
+                stack.enter_context(slowfs.mounted(root, mp, "--latency", repr(latency), *options))
 
                 def moved(f: str, root: str = root, mp: str = mp) -> str:
                     return os.path.join(mp, os.path.relpath(os.path.realpath(f), root))
@@ -1016,9 +1040,11 @@ def build_parser(prog: str = "safeload bench") -> argparse.ArgumentParser:
     p.add_argument("--cold", dest="cold", action="store_true", default=True, help="also run cold-cache rounds (default)")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="warm cache only")
     p.add_argument("--slow-fs", type=float, nargs="?", const=DEFAULT_SLOW_FS_LATENCY, default=None, metavar="LATENCY_S",
-                   help="read every file through a safeload.slowfs FUSE mount of its dataset's directory that adds "
+                   help="read every file through a slowfs FUSE mount (tests/support/slowfs.c) of its dataset's directory that adds "
                    f"LATENCY_S per read request (default {DEFAULT_SLOW_FS_LATENCY:g}); replaces the warm/cold states with "
                    "one state, 'fuse' (put file arguments before the flag or write --slow-fs=LATENCY_S)")
+    p.add_argument("--slow-fs-options", default="", metavar="OPTIONS",
+                   help='more slowfs options for --slow-fs, e.g. "--max-background 128" (default: kernel defaults)')
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round contender order shuffle (default 0)")
     p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS",
                    help="sleep before every measured run so freed memory settles (default 1.0)")
@@ -1073,7 +1099,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.slow_fs is not None:
             for ds in datasets:  # the daemon reads these: keep them warm so the mount's latency is what counts
                 _prewarm(ds.files + ([ds.index] if ds.index else []))
-            targets = stack.enter_context(_slow_mounts(datasets, args.slow_fs, _log))
+            targets = stack.enter_context(_slow_mounts(datasets, args.slow_fs, _log, shlex.split(args.slow_fs_options)))
         else:
             targets = datasets
         for src, ds in zip(datasets, targets):
@@ -1081,7 +1107,7 @@ def _main(args: argparse.Namespace) -> int:
                                     "tensors": ds.tensor_count}
             if ds is not src:
                 info["read_through"] = {"files": ds.files, "index": ds.index, "mount_of": _mount_root(src),
-                                        "latency_s": args.slow_fs}
+                                        "latency_s": args.slow_fs, "options": args.slow_fs_options}
             ds_info.append(info)
             _log(f"== {ds.name}: {len(ds.files)} file(s), {src.nbytes / GIB:.3f} GiB" + (f" ({ds.note})" if ds.note else ""))
             spec0 = dict(base_spec, files=ds.files, index=ds.index)
@@ -1132,7 +1158,8 @@ def _main(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "seed": args.seed,
         "settle_s": args.settle,
-        "slow_fs": {"latency_s": args.slow_fs, "fuse_state": "page cache dropped by FUSE at each open"}
+        "slow_fs": {"latency_s": args.slow_fs, "options": args.slow_fs_options,
+                    "fuse_state": "page cache dropped by FUSE at each open"}
         if args.slow_fs is not None else None,
         "states": states,
         "orders": orders,

@@ -1,0 +1,155 @@
+"""MPS loads straight into device memory, through torch's host alias of MPS storage.
+
+On Apple silicon an MPS tensor's ``MTLBuffer`` lives in unified memory. Where torch has
+``torch.mps._host_alias_storage(untyped_storage)`` (a CPU ``UntypedStorage`` sharing the buffer's
+memory, which keeps the MPS storage alive; it raises for storage that is not a shared-storage
+``MTLBuffer``), every destination tensor is allocated on the device up front, each is aliased, and
+the parallel reader (``Handle.read_into``) writes the file's bytes straight through the aliases,
+between two ``torch.mps.synchronize()`` calls: one host write per byte, no host copy of the
+tensors, 1x memory.
+
+Everything that can fail (torch without the alias, an alias that raises or looks wrong, a dtype
+the device refuses, device memory) fails before the first byte is read, and then :func:`load`
+returns None so the caller takes the host-then-``.to`` path (:class:`safeload._staging.HostThenToSink`)
+instead: never a wrong value. A missing or raising alias is remembered for the process
+(:data:`alias_usable`); other failures only affect the load at hand.
+
+The parts are separate so the path is tested on Linux with a CPU stand-in for the device
+(``tests/test_mps.py``): :func:`plan_writes` (pure: the read calls, coalesced where both the file
+bytes and the destinations are contiguous) and :func:`load`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ._frameworks import torch_dtype, torch_shape
+from ._logging import logger
+from ._safeload import Handle
+
+Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end)
+Progress = Callable[[int, int], None]
+
+#: None: not probed yet in this process; True: the alias worked; False: torch lacks it or it
+#: raised, so MPS loads go through host memory (tests reset it).
+alias_usable: Optional[bool] = None
+#: "alias" or "fallback": which path the most recent MPS load took (tests and logs read it).
+last_path: Optional[str] = None
+
+
+class Write(NamedTuple):
+    """One ``read_into`` call: ``length`` bytes at data ``offset`` of file ``source`` to host
+    ``address`` (an alias of device memory)."""
+
+    source: int
+    offset: int
+    length: int
+    address: int
+
+
+def plan_writes(spans: Sequence[Tuple[int, int, int, int]]) -> List[Write]:
+    """The read calls for ``(source, data offset, length, address)`` spans: in (source, offset)
+    order, zero-length spans dropped, neighbours merged into one call when the file bytes and the
+    destinations are both contiguous (large spans are chunked and parallelised by the engine)."""
+    writes: List[Write] = []
+    for source, offset, length, address in sorted(spans, key=lambda s: (s[0], s[1])):
+        if length == 0:
+            continue
+        if writes:
+            last = writes[-1]
+            if (last.source == source and last.offset + last.length == offset
+                    and last.address + last.length == address):
+                writes[-1] = last._replace(length=last.length + length)
+                continue
+        writes.append(Write(source, offset, length, address))
+    return writes
+
+
+def _alias_function(torch: Any) -> Optional[Callable[[Any], Any]]:
+    return getattr(getattr(torch, "mps", None), "_host_alias_storage", None)
+
+
+def _synchronize(torch: Any) -> None:
+    torch.mps.synchronize()
+
+
+def load(
+    handles: Sequence[Handle],
+    wanted: Sequence[Sequence[Info]],
+    device: Any,
+    progress: Optional[Progress] = None,
+) -> Optional[Dict[str, Any]]:
+    """Reads ``wanted`` (per handle, the tensors in offset order, already checked) into MPS
+    tensors on ``device`` through host aliases. Returns the tensors in file order, or None,
+    having read nothing, when the alias path is not usable here (the caller falls back)."""
+    global alias_usable, last_path
+    import torch
+
+    from . import _staging
+
+    started = time.perf_counter()
+    alias_fn = _alias_function(torch)
+    if alias_fn is None or alias_usable is False:
+        if alias_usable is None:
+            logger.debug("MPS: torch %s has no torch.mps._host_alias_storage; loading through "
+                         "host memory", torch.__version__)
+        alias_usable = False
+        last_path = "fallback"
+        return None
+
+    # Every destination and alias before any read: a failure here costs no I/O.
+    out: Dict[str, Any] = {}
+    aliases: List[Any] = []  # kept alive until the writes are complete
+    spans: List[Tuple[int, int, int, int]] = []
+    try:
+        for source, infos in enumerate(wanted):
+            for name, code, shape, begin, end in infos:
+                nbytes = end - begin
+                raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                out[name] = raw.view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
+                if nbytes == 0:
+                    continue
+                try:
+                    alias = alias_fn(raw.untyped_storage())
+                    at = raw.storage_offset()
+                    if alias.device.type != "cpu" or alias.nbytes() < at + nbytes or not alias.data_ptr():
+                        raise RuntimeError(
+                            f"alias of {alias.nbytes()} bytes on {alias.device} for {at}+{nbytes}")
+                except Exception as e:  # noqa: BLE001 - any alias failure: host path instead
+                    logger.debug("MPS: torch.mps._host_alias_storage failed (%s); loading through "
+                                 "host memory", e)
+                    alias_usable = False
+                    raise
+                alias_usable = True
+                aliases.append(alias)
+                spans.append((source, begin, nbytes, alias.data_ptr() + at))
+    except Exception as e:  # noqa: BLE001
+        if alias_usable is not False:
+            logger.debug("MPS: device allocation failed (%s); loading through host memory", e)
+        out.clear()
+        aliases.clear()
+        last_path = "fallback"
+        return None
+
+    writes = plan_writes(spans)
+    total = sum(w.length for w in writes)
+    _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
+    done = 0
+    for w in writes:
+        handles[w.source].read_into(w.address, w.offset, w.length)
+        done += w.length
+        if progress is not None:
+            progress(done, total)
+    _synchronize(torch)  # the host writes are visible before any GPU work reads them
+    aliases.clear()
+    last_path = "alias"
+
+    stats = _staging.StagingStats()
+    stats.bytes = total
+    stats.tensors = len(out)
+    stats.fills = len(writes)
+    stats.seconds = time.perf_counter() - started
+    _staging.last_stats = stats
+    # File order (offset order per file, files in order), as the other paths return.
+    return {t[0]: out[t[0]] for infos in wanted for t in infos}

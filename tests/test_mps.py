@@ -1,0 +1,430 @@
+"""The MPS path (safeload._mps) on Linux, with a CPU stand-in for the device: an "mps" device that
+resolves, ``torch.empty(..., device=mps)`` played by CPU tensors, ``torch.mps._host_alias_storage``
+returning the storage itself (counted), ``torch.mps.synchronize`` counted, and ``.to(mps)`` a no-op
+on the fallback path. Checked: bytes equal to safetensors 0.8's CPU ``load_file`` for every dtype,
+every byte written once straight into the destinations, no host copy of the tensors, the
+synchronize calls around the writes, and the fallback when the alias is missing, raises or lies."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import safetensors.torch as st_torch
+
+import safeload
+import safeload.torch
+from safeload import SafetensorError, _checkpoint, _device, _mps, _open, _staging
+from safeload._safeload import Handle
+
+from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tensors
+
+
+
+# -- the stand-in -----------------------------------------------------------------------------------
+
+
+class Recorder:
+    """What a load did, in order: ("sync",), ("alias", nbytes), ("read_into", address, offset,
+    length), ("host_read", method), ("host_alloc", nbytes), ("device_alloc", nbytes), ("to",)."""
+
+    def __init__(self) -> None:
+        self.events = []
+        self.alias_error = None  # an exception the alias raises
+        self.alias_result = None  # replaces the alias' result: fn(storage) -> storage
+        self.empty_error = None  # fn(nbytes, kwargs) -> exception or None, for device allocations
+        self.carve = None  # a CPU uint8 buffer device allocations are carved from, in order
+        self._carved = 0
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def kinds(self, kind):
+        return [e for e in self.events if e[0] == kind]
+
+    @property
+    def writes(self):
+        return [e[1:] for e in self.events if e[0] == "read_into"]
+
+    @property
+    def max_host_alloc(self):
+        return max((e[1] for e in self.kinds("host_alloc")), default=0)
+
+
+class SpyHandle:
+    """A real Handle whose reads are recorded (``Handle`` is a frozen native class)."""
+
+    rec: Recorder = None  # set by the fixture
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._h = Handle(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._h, name)
+
+    def read_into(self, address, offset, length):
+        self.rec.events.append(("read_into", address, offset, length))
+        return self._h.read_into(address, offset, length)
+
+    def read(self, *a, **k):
+        self.rec.events.append(("host_read", "read"))
+        return self._h.read(*a, **k)
+
+    def read_many(self, *a, **k):
+        self.rec.events.append(("host_read", "read_many"))
+        return self._h.read_many(*a, **k)
+
+    def read_slice(self, *a, **k):
+        self.rec.events.append(("host_read", "read_slice"))
+        return self._h.read_slice(*a, **k)
+
+
+def _nbytes(args, kwargs):
+    size = args[0] if len(args) == 1 else args
+    if isinstance(size, int):
+        size = (size,)
+    n = 1
+    for s in size:
+        n *= int(s)
+    return n * kwargs.get("dtype", torch.get_default_dtype()).itemsize
+
+
+@pytest.fixture
+def fake_mps(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(_mps, "alias_usable", None)
+    monkeypatch.setattr(_mps, "last_path", None)
+
+    real_device = _device.torch_device
+    monkeypatch.setattr(_device, "torch_device",
+                        lambda name: torch.device(name) if name.startswith("mps") else real_device(name))
+
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        device = kwargs.get("device")
+        nbytes = _nbytes(args, kwargs)
+        if device is not None and torch.device(device).type == "mps":
+            rec.events.append(("device_alloc", nbytes))
+            if rec.empty_error is not None:
+                error = rec.empty_error(nbytes, kwargs)
+                if error is not None:
+                    raise error
+            if rec.carve is not None:
+                assert kwargs.get("dtype") == torch.uint8 and len(args) == 1
+                start = rec._carved
+                rec._carved += nbytes
+                return rec.carve[start : start + nbytes]
+            kwargs["device"] = "cpu"
+            return real_empty(*args, **kwargs)
+        rec.events.append(("host_alloc", nbytes))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+    def alias(storage):
+        rec.events.append(("alias", storage.nbytes()))
+        if rec.alias_error is not None:
+            raise rec.alias_error
+        return storage if rec.alias_result is None else rec.alias_result(storage)
+
+    monkeypatch.setattr(torch.mps, "_host_alias_storage", alias, raising=False)
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: rec.events.append(("sync",)))
+
+    def to_device(self, tensor, index):
+        rec.events.append(("to",))
+        return tensor
+
+    monkeypatch.setattr(_staging.HostThenToSink, "deliver", to_device)
+
+    SpyHandle.rec = rec
+    for module in (_open, _staging, _checkpoint):
+        monkeypatch.setattr(module, "Handle", SpyHandle)
+    real_read_checkpoint = _checkpoint.read_checkpoint
+
+    def read_checkpoint(*a, **k):
+        rec.events.append(("host_read", "read_checkpoint"))
+        return real_read_checkpoint(*a, **k)
+
+    monkeypatch.setattr(_checkpoint, "read_checkpoint", read_checkpoint)
+    return rec
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def every_dtype(seed=0):
+    """conftest's mix plus a (3, 5, 7) tensor of every dtype; "big" spans several test chunks."""
+    tensors = mixed_tensors(seed, big_rows=300)
+    for i, code in enumerate(TORCH_DTYPES):
+        tensors[f"u{i:02d}_{code}"] = make_tensor(code, (3, 5, 7) if code != "F4" else (3, 5), seed=i)
+    return tensors
+
+
+def data_bytes(path, names=None):
+    h = Handle(path, "pread")
+    try:
+        return sum(e - b for n, _, _, b, e in h.infos() if names is None or n in names)
+    finally:
+        h.close()
+
+
+def assert_same(got, ref):
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert_tensor_equal(got[k], ref[k], k)
+
+
+def check_alias_load(rec, expected_bytes, chunk_bytes=None):
+    """Every byte written once, straight into aliased destinations, between two synchronizes;
+    nothing read into host memory, no host buffer above a chunk."""
+    assert _mps.last_path == "alias"
+    writes = rec.writes
+    assert sum(n for _, _, n in writes) == expected_bytes
+    for kind in ("host_read", "to"):
+        assert not rec.kinds(kind), rec.kinds(kind)
+    if chunk_bytes is not None:
+        assert rec.max_host_alloc <= chunk_bytes
+    # Destinations (and, per file, the file bytes) never overlap.
+    dests = sorted((a, a + n) for a, _, n in writes)
+    assert all(e <= b for (_, e), (b, _) in zip(dests, dests[1:]))
+    # Every write lands inside an allocated device buffer; synchronize before the first, after the last.
+    kinds = [e[0] for e in rec.events]
+    if writes:
+        first = kinds.index("read_into")
+        last = len(kinds) - 1 - kinds[::-1].index("read_into")
+        assert "sync" in kinds[:first] and "sync" in kinds[last:]
+        assert "alias" not in kinds[first:] and "device_alloc" not in kinds[first:]
+    assert _staging.last_stats.bytes == expected_bytes
+
+
+def check_storages(got):
+    ptrs = [t.untyped_storage().data_ptr() for t in got.values() if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+# -- planning -----------------------------------------------------------------------------------------
+
+
+def test_plan_writes_coalesces_only_contiguous():
+    spans = [(0, 10, 5, 1010), (0, 0, 10, 1000), (0, 15, 0, 9999), (0, 15, 5, 2000),
+             (0, 20, 4, 2005), (1, 24, 3, 2009), (1, 30, 2, 2011)]
+    assert _mps.plan_writes(spans) == [
+        _mps.Write(0, 0, 15, 1000),  # file and destinations contiguous: one call
+        _mps.Write(0, 15, 9, 2000),  # the empty span between is dropped
+        _mps.Write(1, 24, 3, 2009),  # another file: never merged
+        _mps.Write(1, 30, 2, 2011),  # a gap in the file: two calls
+    ]
+    assert _mps.plan_writes([(0, 0, 4, 100), (0, 4, 4, 200)]) == [(0, 0, 4, 100), (0, 4, 4, 200)]
+    assert _mps.plan_writes([(0, 0, 0, 0)]) == []
+
+
+# -- the alias path -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap", "auto"])
+def test_get_tensors_and_load_file(write_st, fake_mps, backend):
+    path = write_st(every_dtype(1))
+    ref = st_torch.load_file(path)
+    total = data_bytes(path)
+    chunk = 64 << 10
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps", backend=backend, chunk_bytes=chunk) as f:
+        got = f.get_tensors()
+        keys = f.offset_keys()
+    assert list(got) == keys
+    check_alias_load(fake_mps, total, chunk)
+    assert fake_mps.kinds("host_alloc") == []  # (before the comparison, which allocates)
+    # One alias per non-empty tensor, none for zero-size ones.
+    assert len(fake_mps.kinds("alias")) == sum(1 for t in ref.values() if t.nbytes)
+    assert_same(got, ref)
+    check_storages(got)
+
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    check_alias_load(fake_mps, total, chunk)
+    assert_same(got, ref)
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device=torch.device("mps", 0))
+    check_alias_load(fake_mps, total, chunk)
+    assert_same(got, ref)
+
+
+def test_get_tensor(write_st, fake_mps):
+    path = write_st(every_dtype(2))
+    ref = st_torch.load_file(path)
+    with safeload.safe_open(path, "pt", device="mps:0") as f:
+        for name in f.keys():
+            fake_mps.clear()
+            got = f.get_tensor(name)
+            check_alias_load(fake_mps, ref[name].nbytes)
+            assert_tensor_equal(got, ref[name], name)
+            assert len(fake_mps.writes) == (1 if ref[name].nbytes else 0)
+        with pytest.raises(SafetensorError, match="File does not contain tensor nope"):
+            f.get_tensor("nope")
+
+
+def test_large_tensor_no_host_copy(write_st, fake_mps):
+    """A tensor far above the chunk: written in place by the engine, no host buffer above a chunk
+    (and the spy has teeth: the host path allocates the whole tensor on the host)."""
+    big = make_tensor("F32", (512, 300), seed=3)  # 600 KiB
+    path = write_st({"small": make_tensor("F16", (7,), 1), "big": big})
+    chunk = 64 << 10
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps", chunk_bytes=chunk) as f:
+        got = f.get_tensors()
+    check_alias_load(fake_mps, data_bytes(path), chunk)
+    assert_same(got, st_torch.load_file(path))
+
+    fake_mps.clear()
+    fake_mps.alias_error = RuntimeError("not a shared-storage MTLBuffer")
+    with safeload.safe_open(path, "pt", device="mps", chunk_bytes=chunk) as f:
+        got = f.get_tensors()
+    assert _mps.last_path == "fallback" and fake_mps.max_host_alloc >= big.nbytes
+    assert_same(got, st_torch.load_file(path))
+
+
+def test_zero_size_only(write_st, fake_mps):
+    path = write_st({"a": make_tensor("F32", (0,), 1), "b": make_tensor("F4", (2, 0), 2),
+                     "c": make_tensor("BF16", (0, 3, 4), 3)})
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    check_alias_load(fake_mps, 0)
+    assert_same(got, st_torch.load_file(path))
+    assert fake_mps.writes == [] and fake_mps.kinds("alias") == []
+
+
+def test_contiguous_destinations_one_call(write_st, fake_mps):
+    """Destinations that happen to be contiguous (here: carved in order out of one buffer, so
+    storage offsets are non-zero) with contiguous file bytes are read with one call."""
+    tensors = {f"w{i}": make_tensor(code, (5, 3 + i), i) for i, code in
+               enumerate(["F32", "U8", "BF16", "F64", "I16", "F8_E4M3", "BOOL"])}
+    path = write_st(tensors)
+    total = data_bytes(path)
+    fake_mps.carve = torch.full((total,), 0xA5, dtype=torch.uint8)
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    check_alias_load(fake_mps, total)
+    assert_same(got, st_torch.load_file(path))
+    assert fake_mps.writes == [(fake_mps.carve.data_ptr(), 0, total)]
+
+
+def test_load_checkpoint_shards(write_st, fake_mps, tmp_path):
+    a = write_st(every_dtype(3), name="model-00001-of-00003.safetensors")
+    b = write_st({f"layer{i}": make_tensor("F16", (17, i + 1), i) for i in range(9)},
+                 name="model-00002-of-00003.safetensors")
+    c = write_st({"head": make_tensor("BF16", (40, 51), 1), "none": make_tensor("I8", (0,), 2)},
+                 name="model-00003-of-00003.safetensors")
+    ref = {**st_torch.load_file(a), **st_torch.load_file(b), **st_torch.load_file(c)}
+    total = sum(data_bytes(p) for p in (a, b, c))
+    calls = []
+    fake_mps.clear()
+    out, stats = safeload.torch.load_checkpoint([a, b, c], device="mps", return_stats=True,
+                                                progress=lambda d, t: calls.append((d, t)))
+    check_alias_load(fake_mps, total)
+    assert_same(out, ref)
+    check_storages(out)
+    assert stats.bytes_read == total and calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    fake_mps.clear()
+    out = _checkpoint.load_checkpoint(str(tmp_path), device="mps")
+    check_alias_load(fake_mps, total)
+    assert_same(out, ref)
+
+
+def test_load_checkpoint_duplicate_fails_before_reading(write_st, fake_mps):
+    a = write_st({"x": make_tensor("F32", (2,))}, name="a.safetensors")
+    b = write_st({"x": make_tensor("F32", (2,))}, name="b.safetensors")
+    fake_mps.clear()
+    with pytest.raises(SafetensorError, match="tensor x appears in more than one shard"):
+        safeload.torch.load_checkpoint([a, b], device="mps")
+    assert fake_mps.writes == [] and fake_mps.kinds("device_alloc") == []
+
+
+# -- fallbacks ----------------------------------------------------------------------------------------
+
+
+def test_fallback_when_alias_raises(write_st, fake_mps):
+    path = write_st(every_dtype(4))
+    ref = st_torch.load_file(path)
+    fake_mps.alias_error = RuntimeError("getHostAliasStorage: storage is not backed by shared memory")
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        got = f.get_tensors()
+        assert _mps.last_path == "fallback" and _mps.alias_usable is False
+        assert len(fake_mps.kinds("alias")) == 1  # probed on the first tensor, then given up
+        first_write = [e[0] for e in fake_mps.events].index("read_into")
+        assert "alias" not in [e[0] for e in fake_mps.events[first_write:]]
+        assert_same(got, ref)
+        assert len(fake_mps.kinds("to")) == len(ref)
+        # Probed once per process: later loads go straight to the host path.
+        fake_mps.clear()
+        assert_tensor_equal(f.get_tensor("big"), ref["big"])
+        assert fake_mps.kinds("alias") == [] and _mps.last_path == "fallback"
+    assert_same(safeload.torch.load_checkpoint(path, device="mps"), ref)
+
+
+def test_fallback_without_alias(write_st, fake_mps, monkeypatch):
+    monkeypatch.delattr(torch.mps, "_host_alias_storage")
+    path = write_st(every_dtype(5))
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    assert_same(got, st_torch.load_file(path))
+    assert _mps.last_path == "fallback" and fake_mps.kinds("device_alloc") == []
+
+
+@pytest.mark.parametrize("lie", ["short", "null", "device"])
+def test_fallback_when_alias_looks_wrong(write_st, fake_mps, lie):
+    def bad(storage):
+        if lie == "short":
+            return torch.UntypedStorage(max(storage.nbytes() - 1, 0))
+        if lie == "null":
+            return torch.UntypedStorage(0)
+        return torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+
+    fake_mps.alias_result = bad
+    path = write_st(every_dtype(6))
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    assert_same(got, st_torch.load_file(path))
+    assert _mps.last_path == "fallback" and _mps.alias_usable is False
+
+
+def test_fallback_when_device_allocation_fails(write_st, fake_mps):
+    """A dtype or size the device refuses: that load goes through host memory; the alias stays
+    in use for later loads."""
+    path = write_st(every_dtype(7))
+    big = make_tensor("F32", (64, 33), 1).nbytes
+    fake_mps.empty_error = lambda n, kw: MemoryError("MPS backend out of memory") if n == big else None
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    assert_same(got, st_torch.load_file(path))
+    assert _mps.last_path == "fallback" and _mps.alias_usable is True
+    fake_mps.empty_error = None
+    fake_mps.clear()
+    got = safeload.torch.load_file(path, device="mps")
+    check_alias_load(fake_mps, data_bytes(path))
+    assert_same(got, st_torch.load_file(path))
+
+
+def test_read_error_propagates(write_st, fake_mps, tmp_path):
+    """An I/O error during the writes is raised (no fallback, no partial result)."""
+    path = write_st({"a": make_tensor("F32", (1000,), 1), "b": make_tensor("F32", (1000,), 2)})
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        os.truncate(path, os.path.getsize(path) - 100)
+        with pytest.raises(Exception):
+            f.get_tensors()
+    assert not fake_mps.kinds("to")
+
+
+def test_cpu_and_cuda_untouched(write_st, fake_mps, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("MPS path used")
+
+    monkeypatch.setattr(_mps, "load", boom)
+    path = write_st(every_dtype(8))
+    assert_same(safeload.torch.load_file(path), st_torch.load_file(path))
+    got = _staging.load_to_device(path, None, sink=_staging.CpuSink())
+    assert_same(got, st_torch.load_file(path))
