@@ -289,7 +289,9 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     let cores = engine::default_threads();
     Settings {
         threads: opts.threads.unwrap_or_else(|| {
-            storage::threads_for(network.map_or(FsKind::Local, |s| s.kind), cores)
+            let kind = network.map_or(FsKind::Local, |s| s.kind);
+            let in_flight = network.and_then(|s| platform::fuse_requests_in_flight(&s.file));
+            storage::threads_for(kind, cores, in_flight)
         }),
         own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,
     }
@@ -356,7 +358,10 @@ pub fn read_tensors(
         plan.add(s, at, buffers[i].as_mut_ptr(), info.nbytes(), &info.name);
     }
     let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
-    let report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
+    let mut report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
+    // Uncached reads asked for, but a file could not be opened that way: it was read buffered.
+    report.direct_refused |=
+        strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
     if opts.drop_cache {
         sources.iter().for_each(|s| storage::drop_cached(&s.file));
     }

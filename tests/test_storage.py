@@ -140,8 +140,11 @@ def test_fuse_mount_is_detected_and_read_in_parallel(mount, sample):
         path = os.path.join(m, "model.safetensors")
         with safeload.safe_open(path, "pt") as f:
             assert f._handle.storage == "fuse"
-            assert f.backend == "pread"  # never mmap on a network filesystem
+            # Never mmap on a network filesystem; cold, uncached reads (past FUSE readahead),
+            # straight into the tensors: FUSE has no O_DIRECT alignment rule.
+            assert f.backend == "direct"
             assert_equal(f.get_tensors(), want)
+            assert f.backend == "direct"
             stats = f.stats
             chunks = -(-stats.bytes_read // stats.chunk_bytes)
             assert stats.threads == min(16, chunks)  # network: up to 16 requests in flight
@@ -152,13 +155,36 @@ def test_fuse_mount_is_detected_and_read_in_parallel(mount, sample):
             assert set(f.keys()) == set(want)
 
 
+def test_fuse_mount_refusing_o_direct_falls_back_to_buffered(mount, sample):
+    _, _, want = sample
+    with mount("--latency", "0.001", "--no-direct") as m:
+        path = os.path.join(m, "model.safetensors")
+        with safeload.safe_open(path, "pt") as f:
+            assert f.backend == "direct"  # chosen: the mount is cold
+            assert_equal(f.get_tensors(), want)
+            assert f.backend == "pread"  # refused at open: read buffered, and says so
+
+
+def test_fuse_warm_file_is_copied_from_the_cache(mount, sample):
+    _, _, want = sample
+    with mount("--keep-cache") as m:  # else every open drops the file's pages (FUSE default)
+        path = os.path.join(m, "model.safetensors")
+        with open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+        assert residency(path)[0] > 0.5
+        with safeload.safe_open(path, "pt") as f:
+            assert f.backend == "pread"
+            assert_equal(f.get_tensors(), want)
+
+
 def test_fuse_short_reads_are_never_silently_wrong(mount, sample):
     """A FUSE daemon answering short means end of file to the kernel: the load must either
     deliver every byte right or fail naming the file, never return wrong bytes."""
     _, _, want = sample
     with mount("--short-reads") as m:
         path = os.path.join(m, "model.safetensors")
-        for backend in ("pread", "direct"):
+        for backend in ("pread", "direct", "auto"):
             try:
                 got = sl.load_file(path, backend=backend)
             except safeload.SafetensorError as e:
@@ -175,7 +201,7 @@ def test_fuse_io_error_names_file_tensor_and_offset(mount, sample):
     bad = start + begin + 1000
     with mount("--eio", f"model.safetensors:{bad}") as m:
         mounted = os.path.join(m, "model.safetensors")
-        for backend in ("pread", "direct"):
+        for backend in ("pread", "direct", "auto"):
             with pytest.raises(safeload.SafetensorError) as info:
                 sl.load_file(mounted, backend=backend)
             message = str(info.value)

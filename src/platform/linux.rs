@@ -27,10 +27,23 @@ pub fn open_uncached(path: &Path) -> Option<Uncached> {
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .ok()?;
-    Some(Uncached {
-        file,
-        align: DIRECT_ALIGN,
-    })
+    let align = if accepts_unaligned(&file) {
+        1
+    } else {
+        DIRECT_ALIGN
+    };
+    Some(Uncached { file, align })
+}
+
+/// Whether O_DIRECT reads on this file need no alignment (FUSE and NFS pass them through as
+/// they are): probed with a one-byte read at offset 1 into an odd address, which block
+/// filesystems refuse with EINVAL.
+fn accepts_unaligned(file: &File) -> bool {
+    let mut probe = [0u8; 2];
+    match read_at(file, &mut probe[1..], 1) {
+        Ok(n) => n == 1,
+        Err(_) => false,
+    }
 }
 
 pub fn prefetch(file: &File, offset: u64, len: u64) {
@@ -79,10 +92,86 @@ pub fn fs_kind(file: &File, _path: &Path) -> FsKind {
         return FsKind::Local;
     }
     let magic = st.f_type as u64 & 0xffff_ffff;
-    MAGICS
+    let kind = MAGICS
         .iter()
         .find(|(m, _)| *m == magic)
-        .map_or(FsKind::Local, |&(_, kind)| kind)
+        .map_or(FsKind::Local, |&(_, kind)| kind);
+    match kind {
+        // FUSE and NFS say little by magic: the mount table names the daemon.
+        FsKind::Network("fuse" | "nfs") => mount_of(file)
+            .and_then(|(fstype, source)| refine(&fstype, &source))
+            .map_or(kind, FsKind::Network),
+        _ => kind,
+    }
+}
+
+/// The most asynchronous requests the kernel keeps in flight to the FUSE daemon serving `file`
+/// (`/sys/fs/fuse/connections/<minor of st_dev>/max_background`; needs the fusectl mount, and
+/// root to read it on most systems). None for anything else, or when it cannot be read.
+pub fn fuse_requests_in_flight(file: &File) -> Option<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = file.metadata().ok()?.dev();
+    let path = format!(
+        "/sys/fs/fuse/connections/{}/max_background",
+        libc::minor(dev)
+    );
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// (filesystem type, source) of the mount holding `file`, from /proc/self/mountinfo.
+fn mount_of(file: &File) -> Option<(String, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = file.metadata().ok()?.dev();
+    let id = format!("{}:{}", libc::major(dev), libc::minor(dev));
+    let table = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    table.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.nth(2)? != id {
+            return None;
+        }
+        // After the optional fields, " - " separates: fstype, source, super options.
+        let (_, tail) = line.split_once(" - ")?;
+        let mut tail = tail.split(' ');
+        Some((tail.next()?.to_string(), tail.next()?.to_string()))
+    })
+}
+
+/// Names for the mounts users load checkpoints from (`f.stats.storage`).
+fn refine(fstype: &str, source: &str) -> Option<&'static str> {
+    const DAEMONS: &[(&str, &str)] = &[
+        ("hf-mount", "hf-mount"),
+        ("s3fs", "s3fs"),
+        ("gcsfuse", "gcsfuse"),
+        ("rclone", "rclone"),
+        ("ceph", "ceph"),
+        ("goofys", "goofys"),
+        ("mountpoint-s3", "mountpoint-s3"),
+        ("blobfuse", "blobfuse"),
+        ("juicefs", "juicefs"),
+        ("sshfs", "sshfs"),
+    ];
+    let subtype = fstype.strip_prefix("fuse.").unwrap_or(fstype);
+    if fstype == "virtiofs" {
+        return Some("virtiofs");
+    }
+    if let Some(&(_, name)) = DAEMONS
+        .iter()
+        .find(|(key, _)| subtype.contains(key) || source.contains(key))
+    {
+        return Some(name);
+    }
+    if fstype.starts_with("nfs") {
+        // hf-mount's default backend: an NFSv3 server on loopback.
+        let host = source.split(':').next().unwrap_or("");
+        return Some(
+            if host == "127.0.0.1" || host == "localhost" || host == "::1" {
+                "nfs-loopback"
+            } else {
+                "nfs"
+            },
+        );
+    }
+    None
 }
 
 /// `MemAvailable` from /proc/meminfo.
@@ -135,6 +224,20 @@ mod tests {
         assert!(!defrag_cannot_stall(
             "always defer [defer+madvise] madvise never"
         ));
+    }
+
+    #[test]
+    fn mount_names() {
+        assert_eq!(refine("fuse.hf-mount", "hf-mount"), Some("hf-mount"));
+        assert_eq!(refine("fuse", "hf-mount"), Some("hf-mount"));
+        assert_eq!(refine("fuse.s3fs", "s3fs"), Some("s3fs"));
+        assert_eq!(refine("fuse", "gcsfuse"), Some("gcsfuse"));
+        assert_eq!(refine("fuse.rclone", "remote:"), Some("rclone"));
+        assert_eq!(refine("fuse.ceph-fuse", "ceph-fuse"), Some("ceph"));
+        assert_eq!(refine("virtiofs", "myfs"), Some("virtiofs"));
+        assert_eq!(refine("nfs", "127.0.0.1:/repo"), Some("nfs-loopback"));
+        assert_eq!(refine("nfs4", "server:/export"), Some("nfs"));
+        assert_eq!(refine("fuse.slowfs", "slowfs"), None);
     }
 
     #[test]

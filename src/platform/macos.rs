@@ -126,6 +126,11 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
     super::unix::map_anonymous_aligned(len, MAP_ALIGN)
 }
 
+/// No FUSE connection settings to read here.
+pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
+    None
+}
+
 pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
 
 pub fn huge_page_faults_cannot_stall() -> bool {

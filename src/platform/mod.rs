@@ -105,6 +105,12 @@ pub fn fs_kind(file: &File, path: &Path) -> FsKind {
     os::fs_kind(file, path)
 }
 
+/// How many requests the kernel keeps in flight to the FUSE daemon serving `file` (Linux
+/// `max_background`), where it can be read.
+pub fn fuse_requests_in_flight(file: &File) -> Option<usize> {
+    os::fuse_requests_in_flight(file)
+}
+
 /// Fraction (0..=1) of `len` bytes from `offset` of `file` in the page cache, sampled; None where
 /// it cannot be told.
 pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {

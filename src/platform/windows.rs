@@ -158,6 +158,11 @@ pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, _len: usize) {
     unsafe { VirtualFree(ptr.as_ptr().cast(), 0, MEM_RELEASE) };
 }
 
+/// No FUSE connection settings to read here.
+pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
+    None
+}
+
 pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
 
 pub fn huge_page_faults_cannot_stall() -> bool {
