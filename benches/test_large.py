@@ -11,7 +11,7 @@ Contenders: safeload's default backend and ``backend="pread"``; safetensors 0.8'
 (8 MiB ``preadv`` by 2 threads into anonymous memory never touched before: what any loader that
 copies into new memory pays here); and a second safeload load in the same process as the first.
 
-Samples are written once with ``python -m safeload bench``'s writers under ``bench-data/full``
+Samples are written once with ``benches/bench.py``'s writers under ``bench-data/full``
 (``SAFELOAD_BENCH_DATA`` to move it); ``SAFELOAD_BENCH_ROUNDS`` (default 1) repeats every child,
 interleaved, and keeps medians. Results also go to ``bench-out/test_large.json``. With
 ``--benchmark-disable`` the samples are a few MiB in a temporary directory and one child runs
@@ -21,6 +21,7 @@ terminal summary shows each ratio next to its target.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -30,7 +31,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from safeload import bench as sl_bench
+# The harness (benches/bench.py: sample writers, _prewarm, _worker_env) by path: benches/ is no package.
+_spec = importlib.util.spec_from_file_location("safeload_bench", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py"))
+sl_bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = sl_bench  # dataclasses look their module up there
+_spec.loader.exec_module(sl_bench)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = float(1 << 30)

@@ -1,7 +1,7 @@
 //! Destination memory: aligned, huge-page backed allocations, carved into per-tensor byte ranges
 //! that keep their allocation alive. Most of the crate's `unsafe` lives here.
 
-use std::alloc::{Layout, alloc, dealloc};
+use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -17,7 +17,7 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// Small tensors are packed into arenas of at most this size.
 pub const ARENA_BYTES: usize = 8 << 20;
 
-/// An owned allocation that Rust never reads before a reader has filled it.
+/// An owned allocation; every byte initialised (zeroed or earlier bytes) so readers can borrow it.
 pub enum Storage {
     /// Small: from the global allocator.
     Heap { ptr: NonNull<u8>, len: usize },
@@ -34,15 +34,17 @@ unsafe impl Send for Storage {}
 unsafe impl Sync for Storage {}
 
 impl Storage {
-    /// Uninitialised memory of `len` bytes, 64-byte aligned (2 MiB and huge pages when large).
+    /// `len` bytes, 64-byte aligned (2 MiB and huge pages when large), initialised (zeroed, or an
+    /// earlier load's bytes when pooled memory is reused).
     pub fn alloc(len: usize) -> std::io::Result<Storage> {
         if len >= HUGE_PAGE {
             return Self::alloc_mapped(len);
         }
         let layout = Layout::from_size_align(len.max(1), TENSOR_ALIGN)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
-        // SAFETY: layout has non-zero size.
-        let ptr = NonNull::new(unsafe { alloc(layout) }).ok_or_else(oom)?;
+        // SAFETY: layout has non-zero size. Zeroed, so every byte is initialised before a reader
+        // borrows it as `&mut [u8]` (calloc'd fresh pages cost nothing extra).
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(oom)?;
         Ok(Storage::Heap { ptr, len })
     }
 
@@ -175,10 +177,45 @@ impl TensorBytes {
     }
 }
 
+/// A newly allocated tensor range that no one else can see yet: the one place a reader may
+/// borrow tensor memory mutably. Not `Clone`; [`Fresh::into_shared`] hands it out once filled.
+pub struct Fresh(TensorBytes);
+
+impl Fresh {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The bytes, to be filled by a reader.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.0.is_empty() {
+            return &mut [];
+        }
+        // SAFETY: `allocate` gives every Fresh its own in-bounds range of an allocation whose
+        // bytes are initialised; the inner TensorBytes has not been cloned (this type is not
+        // Clone and only `into_shared` lets it out), so `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr(), self.0.len()) }
+    }
+
+    /// The bytes as they are now.
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    /// The filled bytes, shareable (with Python, with other views).
+    pub fn into_shared(self) -> TensorBytes {
+        self.0
+    }
+}
+
 /// Gives each requested size a 64-byte aligned home: large sizes their own allocation, small ones
 /// packed into shared arenas.
-pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<TensorBytes>> {
-    let mut out = Vec::with_capacity(sizes.len());
+pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<Fresh>> {
+    let mut out: Vec<TensorBytes> = Vec::with_capacity(sizes.len());
     let mut pending: Vec<(usize, usize)> = Vec::new(); // (index in out, offset in arena)
     let mut arena_len = 0usize;
     let flush =
@@ -214,7 +251,7 @@ pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<TensorBytes>> {
         }
     }
     flush(&mut out, &mut pending, &mut arena_len)?;
-    Ok(out)
+    Ok(out.into_iter().map(Fresh).collect())
 }
 
 #[cfg(test)]
@@ -224,20 +261,23 @@ mod tests {
     #[test]
     fn alignment_and_disjointness() {
         let sizes = [3, 0, 100, OWN_ALLOCATION_BYTES, 5 * HUGE_PAGE + 7, 64, 1];
-        let bufs = allocate(&sizes).unwrap();
+        let mut bufs = allocate(&sizes).unwrap();
         let mut ranges = Vec::new();
-        for (b, &len) in bufs.iter().zip(&sizes) {
+        for (b, &len) in bufs.iter_mut().zip(&sizes) {
             assert_eq!(b.len(), len);
+            let bytes = b.as_mut_slice();
+            let at = bytes.as_ptr() as usize;
             if len > 0 {
-                assert_eq!(b.as_mut_ptr() as usize % TENSOR_ALIGN, 0);
-                ranges.push((b.as_mut_ptr() as usize, b.as_mut_ptr() as usize + len));
+                assert_eq!(at % TENSOR_ALIGN, 0);
+                ranges.push((at, at + len));
             }
             if len >= HUGE_PAGE {
-                assert_eq!(b.as_mut_ptr() as usize % platform::MAP_ALIGN, 0);
+                assert_eq!(at % platform::MAP_ALIGN, 0);
             }
-            // Every byte writable.
-            for k in 0..len {
-                unsafe { *b.as_mut_ptr().add(k) = k as u8 };
+            // Every byte initialised and writable.
+            assert!(bytes.iter().all(|&x| x == 0) || len >= HUGE_PAGE);
+            for (k, x) in bytes.iter_mut().enumerate() {
+                *x = k as u8;
             }
         }
         ranges.sort();

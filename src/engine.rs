@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::Storage;
 use crate::error::{Error, Result};
-use crate::plan::{Chunk, Plan, Segment};
+use crate::plan::{Chunk, Plan, Segment, Transform};
 use crate::platform::{self, Uncached};
 
 /// How often the waiting thread calls `poll`.
@@ -52,27 +52,15 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
 
-/// One worker's resources: its bounce buffer for aligned uncached reads and its own descriptors.
-struct Worker<'a> {
+/// The files a worker reads: shared descriptors, or its own ones opened on first use.
+struct Files<'a> {
     inputs: &'a [Input<'a>],
     own_fds: bool,
     fds: Vec<Option<File>>,
-    bounce: Option<Storage>,
-    direct_refused: &'a AtomicBool,
 }
 
-impl<'a> Worker<'a> {
-    fn new(inputs: &'a [Input<'a>], own_fds: bool, direct_refused: &'a AtomicBool) -> Self {
-        Worker {
-            inputs,
-            own_fds,
-            fds: inputs.iter().map(|_| None).collect(),
-            bounce: None,
-            direct_refused,
-        }
-    }
-
-    fn buffered_file(&mut self, i: usize) -> &File {
+impl<'a> Files<'a> {
+    fn buffered(&mut self, i: usize) -> &File {
         let input = &self.inputs[i];
         if !self.own_fds {
             return input.file;
@@ -82,21 +70,47 @@ impl<'a> Worker<'a> {
         }
         self.fds[i].as_ref().unwrap_or(input.file)
     }
+}
 
-    fn read(&mut self, plan: &Plan, chunk: &Chunk) -> Result<()> {
+/// One worker's resources: its files, its bounce buffer for aligned uncached reads and its
+/// scratch buffer for chunks that convert.
+struct Worker<'a> {
+    inputs: &'a [Input<'a>],
+    files: Files<'a>,
+    bounce: Option<Storage>,
+    scratch: Vec<u8>,
+    direct_refused: &'a AtomicBool,
+}
+
+impl<'a> Worker<'a> {
+    fn new(inputs: &'a [Input<'a>], own_fds: bool, direct_refused: &'a AtomicBool) -> Self {
+        Worker {
+            inputs,
+            files: Files {
+                inputs,
+                own_fds,
+                fds: inputs.iter().map(|_| None).collect(),
+            },
+            bounce: None,
+            scratch: Vec::new(),
+            direct_refused,
+        }
+    }
+
+    fn read(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<()> {
         let input = &self.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
         let direct = input
             .direct
             .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
-        let result = match direct.map(|d| self.read_direct(d, chunk, segments)) {
+        let result = match direct.map(|d| self.read_chunk(Some(d), chunk, segments)) {
             // The filesystem refuses uncached reads: buffered from now on, for every worker.
             Some(Err((_, e))) if platform::uncached_refused(&e) => {
                 self.direct_refused.store(true, Ordering::Relaxed);
-                preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments)
+                self.read_chunk(None, chunk, segments)
             }
             Some(done) => done,
-            None => preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments),
+            None => self.read_chunk(None, chunk, segments),
         };
         result.map_err(|(done, source)| Error::Read {
             path: input.path.to_path_buf(),
@@ -106,27 +120,48 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// Reads the chunk around the page cache: straight into the segments where the handle has
-    /// no alignment rule, else the aligned span around it into the worker's bounce buffer, then
-    /// copied out.
-    fn read_direct(&mut self, direct: &Uncached, chunk: &Chunk, segments: &[Segment]) -> IoResult {
-        let align = direct.align;
-        if align <= 1 {
-            return preadv_exact(&direct.file, chunk.offset, segments);
+    /// Reads one chunk: straight into its segments when nothing converts and the handle has no
+    /// alignment rule; else its bytes into a worker buffer first, then copied or converted out.
+    fn read_chunk(
+        &mut self,
+        direct: Option<&Uncached>,
+        chunk: &Chunk,
+        segments: &[Segment],
+    ) -> IoResult {
+        let aligned = direct.is_some_and(|d| d.align > 1);
+        let converts = segments.iter().any(|s| s.transform != Transform::Copy);
+        if !aligned && !converts {
+            let file = match direct {
+                Some(d) => &d.file,
+                None => self.files.buffered(chunk.file),
+            };
+            return preadv_exact(file, chunk.offset, segments);
         }
+        let bytes = match direct {
+            Some(d) if aligned => self.read_aligned(d, chunk)?,
+            Some(d) => read_into_scratch(&mut self.scratch, &d.file, chunk)?,
+            None => read_into_scratch(&mut self.scratch, self.files.buffered(chunk.file), chunk)?,
+        };
+        distribute(bytes, segments)
+    }
+
+    /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
+    /// the chunk's own bytes.
+    fn read_aligned(&mut self, direct: &Uncached, chunk: &Chunk) -> IoBytes<'_> {
+        let align = direct.align;
         let start = chunk.offset / align * align;
         let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
         let span = (end - start) as usize;
         if self.bounce.as_ref().is_none_or(|b| b.len() < span) {
             self.bounce = Some(Storage::alloc_mapped(span).map_err(|e| (0, e))?);
         }
+        let head = (chunk.offset - start) as usize;
+        let need = head + chunk.len;
         let bounce = self
             .bounce
             .as_mut()
             .and_then(Storage::as_bytes_mut)
             .expect("a mapped bounce buffer, allocated above");
-        let head = (chunk.offset - start) as usize;
-        let need = head + chunk.len;
         let mut got = 0usize;
         while got < need {
             // `got` stays a multiple of `align` (checked below), as uncached reads require; the
@@ -138,24 +173,60 @@ impl<'a> Worker<'a> {
                 Ok(n) => got += n,
             }
             if got < need && !(got as u64).is_multiple_of(align) {
-                // An unaligned short read cannot be continued uncached: this chunk buffered.
-                return preadv_exact(self.buffered_file(chunk.file), chunk.offset, segments);
+                // An unaligned short read cannot be continued uncached: the rest buffered.
+                let from = got.max(head);
+                let file = self.files.buffered(chunk.file);
+                let rest = &mut bounce[from..need];
+                let at = start + from as u64;
+                let n = platform::read_fully_at(file, rest, at).map_err(|e| (from - head, e))?;
+                if n < rest.len() {
+                    return Err((from - head + n, eof(rest.len() - n)));
+                }
+                break;
             }
         }
-        let mut from = head;
-        for s in segments {
-            // SAFETY: the destination is the segment's own (Plan contract), `s.len` bytes long and
-            // disjoint from the bounce buffer and from every other chunk's.
-            unsafe {
-                std::ptr::copy_nonoverlapping(bounce[from..from + s.len].as_ptr(), s.dest, s.len)
-            };
-            from += s.len;
-        }
-        Ok(())
+        Ok(&bounce[head..need])
     }
 }
 
+/// Reads a chunk's bytes into `scratch` (grown as needed); returns them.
+fn read_into_scratch<'s>(scratch: &'s mut Vec<u8>, file: &File, chunk: &Chunk) -> IoBytes<'s> {
+    if scratch.len() < chunk.len {
+        scratch.resize(chunk.len, 0);
+    }
+    let buf = &mut scratch[..chunk.len];
+    let n = platform::read_fully_at(file, buf, chunk.offset).map_err(|e| (0, e))?;
+    if n < buf.len() {
+        return Err((n, eof(buf.len() - n)));
+    }
+    Ok(buf)
+}
+
+/// Copies or converts a chunk's bytes, in order, into its segments.
+fn distribute(bytes: &[u8], segments: &[Segment]) -> IoResult {
+    let mut from = 0usize;
+    for s in segments {
+        let src = &bytes[from..from + s.len];
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        let dest = unsafe { s.dest_mut() };
+        match s.transform {
+            Transform::Copy => dest.copy_from_slice(src),
+            Transform::Convert { from: a, to: b } => crate::convert::convert(a, b, src, dest)
+                .map_err(|e| {
+                    (
+                        from,
+                        io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
+                    )
+                })?,
+        }
+        from += s.len;
+    }
+    Ok(())
+}
+
+/// On failure: how many of the chunk's bytes were read before the error, and the error.
 type IoResult = std::result::Result<(), (usize, io::Error)>;
+type IoBytes<'b> = std::result::Result<&'b [u8], (usize, io::Error)>;
 
 fn eof(missing: usize) -> io::Error {
     io::Error::new(
@@ -167,7 +238,7 @@ fn eof(missing: usize) -> io::Error {
 /// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
 pub fn execute(
     inputs: &[Input<'_>],
-    plan: &Plan,
+    plan: &Plan<'_>,
     settings: Settings,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
@@ -258,10 +329,8 @@ fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
 fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
     let mut bufs: Vec<IoSliceMut<'_>> = segments
         .iter()
-        // SAFETY: each segment points into a live destination owned by the caller of `execute`,
-        // valid for `len` bytes and disjoint from every other chunk's (Plan::add contract); no
-        // one else touches it until the read ends.
-        .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.dest, s.len) }))
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
         .collect();
     let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
     let mut done = 0usize;
@@ -323,11 +392,11 @@ mod tests {
             (5, true, false),
             (3, true, true),
         ] {
-            let bufs = crate::buffer::allocate(&sizes).unwrap();
+            let mut bufs = crate::buffer::allocate(&sizes).unwrap();
             let mut plan = Plan::new(1 << 20);
             let mut at = 0u64;
-            for (b, &len) in bufs.iter().zip(&sizes) {
-                plan.add(0, at, b.as_mut_ptr(), len, "t");
+            for (b, &len) in bufs.iter_mut().zip(&sizes) {
+                plan.add(0, at, b.as_mut_slice(), "t");
                 at += len as u64;
             }
             let inputs = [Input {
@@ -338,6 +407,7 @@ mod tests {
             let report =
                 execute(&inputs, &plan, Settings { threads, own_fds }, &mut || false).unwrap();
             assert_eq!(report.bytes, data.len() as u64);
+            drop(plan);
             let mut at = 0usize;
             for (b, &len) in bufs.iter().zip(&sizes) {
                 assert_eq!(
@@ -356,10 +426,13 @@ mod tests {
         let (path, file) = temp_file(&[1u8; 100], "short");
         let direct = open_direct(&path);
         for direct in [None, direct.as_ref()] {
-            let bufs = crate::buffer::allocate(&[50, 80]).unwrap();
+            let mut bufs = crate::buffer::allocate(&[50, 80]).unwrap();
+            let [first, second] = &mut bufs[..] else {
+                unreachable!()
+            };
             let mut plan = Plan::new(1 << 20);
-            plan.add(0, 0, bufs[0].as_mut_ptr(), 50, "first");
-            plan.add(0, 50, bufs[1].as_mut_ptr(), 80, "second");
+            plan.add(0, 0, first.as_mut_slice(), "first");
+            plan.add(0, 50, second.as_mut_slice(), "second");
             let inputs = [Input {
                 path: &path,
                 file: &file,
@@ -379,9 +452,9 @@ mod tests {
     #[test]
     fn poll_cancels() {
         let (path, file) = temp_file(&[0u8; 64 << 10], "cancel");
-        let bufs = crate::buffer::allocate(&[64 << 10]).unwrap();
+        let mut bufs = crate::buffer::allocate(&[64 << 10]).unwrap();
         let mut plan = Plan::new(4096);
-        plan.add(0, 0, bufs[0].as_mut_ptr(), 64 << 10, "t");
+        plan.add(0, 0, bufs[0].as_mut_slice(), "t");
         let inputs = [Input {
             path: &path,
             file: &file,

@@ -32,6 +32,9 @@ pub enum Error {
     Slice(String),
     /// Input to a writer that the format cannot hold.
     Serialize(String),
+    /// Memory handed over to read into that cannot take the tensor (size, dtype, overlap,
+    /// device); the message is complete.
+    Destination(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -89,7 +92,9 @@ impl fmt::Display for Error {
                 Ok(())
             }
             Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
-            Error::Slice(message) | Error::Serialize(message) => f.write_str(message),
+            Error::Slice(message) | Error::Serialize(message) | Error::Destination(message) => {
+                f.write_str(message)
+            }
             Error::Cancelled => f.write_str("load cancelled"),
         }
     }

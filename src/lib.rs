@@ -6,6 +6,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod buffer;
+pub mod checkpoint;
+pub mod convert;
 pub mod dtype;
 pub mod engine;
 pub mod error;

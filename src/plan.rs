@@ -1,21 +1,58 @@
 //! Read planning: wanted byte ranges, in file-offset order, cut and coalesced into chunks.
 //!
-//! A chunk is one contiguous span of one file read with a single `preadv` into one or more
+//! A chunk is one contiguous span of one file read with a single vectored read into one or more
 //! destination segments. Small neighbouring tensors share a chunk; a large tensor is split across
 //! several, so every worker issues large, sequential reads.
+//!
+//! Destinations are borrowed `&'d mut [u8]` for the plan's lifetime `'d`: the borrow checker
+//! proves they are in bounds, alive and disjoint until the read ends. A segment may convert its
+//! bytes on the way (F32/F16/BF16, see [`crate::convert`]); such segments are cut on element
+//! boundaries.
+
+use std::marker::PhantomData;
+
+use crate::dtype::Dtype;
 
 /// Default chunk size, chosen by measurement (see README, "Tuning").
 pub const DEFAULT_CHUNK_BYTES: usize = 8 << 20;
 /// At most this many destinations in one vectored read (Linux's IOV_MAX).
 pub const MAX_SEGMENTS: usize = 1024;
 
-/// A destination for `len` bytes. The pointer must stay valid and unaliased until the read ends.
+/// What happens to a segment's bytes on the way from the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transform {
+    /// Read straight into the destination.
+    Copy,
+    /// Read into the worker's scratch buffer, then converted from the file's dtype into the
+    /// destination's.
+    Convert { from: Dtype, to: Dtype },
+}
+
+/// A destination for `len` file bytes. Private: only [`Plan::add`] makes them, from a borrow.
 #[derive(Debug, Clone, Copy)]
 pub struct Segment {
-    pub dest: *mut u8,
+    dest: *mut u8,
+    /// Bytes read from the file.
     pub len: usize,
+    /// Bytes written at `dest` (`len` unless converting).
+    pub dest_len: usize,
+    pub transform: Transform,
     /// Index into [`Plan::tensors`], for error messages.
     pub tensor: usize,
+}
+
+impl Segment {
+    /// The destination, for the engine's writes while the plan is alive.
+    ///
+    /// # Safety
+    /// Only one writer at a time may use the segment (the engine hands each chunk to one worker),
+    /// and only while the [`Plan`] holding it is alive.
+    #[allow(clippy::mut_from_ref)] // the exclusivity is the caller's contract, checked by the engine
+    pub unsafe fn dest_mut(&self) -> &mut [u8] {
+        // SAFETY: made from a `&'d mut [u8]` borrowed for the plan's lifetime (Plan::add); the
+        // caller's contract gives exclusive use.
+        unsafe { std::slice::from_raw_parts_mut(self.dest, self.dest_len) }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -29,27 +66,41 @@ pub struct Chunk {
     pub segments: std::ops::Range<usize>,
 }
 
-/// Chunks in the order workers claim them (file order, then offset order).
+impl Chunk {
+    /// Whether any segment of the chunk converts (then it is read through a scratch buffer).
+    pub fn converts(&self, plan: &Plan<'_>) -> bool {
+        plan.segments[self.segments.clone()]
+            .iter()
+            .any(|s| s.transform != Transform::Copy)
+    }
+}
+
+/// Chunks in the order workers claim them (file order, then offset order), writing into
+/// destinations borrowed for `'d`.
 #[derive(Debug, Default)]
-pub struct Plan {
+pub struct Plan<'d> {
     pub chunks: Vec<Chunk>,
     pub segments: Vec<Segment>,
     /// Tensor names, for error messages.
     pub tensors: Vec<String>,
     chunk_bytes: usize,
+    _dest: PhantomData<&'d mut [u8]>,
 }
 
-// SAFETY: segments point at destinations owned by the caller for the duration of the read;
-// `PlanBuilder::add` callers guarantee the ranges are disjoint.
-unsafe impl Send for Plan {}
-// SAFETY: as above; workers only write through the pointers of the chunks they claim.
-unsafe impl Sync for Plan {}
+// SAFETY: segments point into `&'d mut [u8]` borrows that the plan holds exclusively; workers
+// only write through the segments of the chunks they claim, each chunk claimed once.
+unsafe impl Send for Plan<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Plan<'_> {}
 
-impl Plan {
+impl<'d> Plan<'d> {
     pub fn new(chunk_bytes: usize) -> Self {
         Plan {
             chunk_bytes: chunk_bytes.max(4096),
-            ..Plan::default()
+            chunks: Vec::new(),
+            segments: Vec::new(),
+            tensors: Vec::new(),
+            _dest: PhantomData,
         }
     }
 
@@ -57,14 +108,60 @@ impl Plan {
         self.chunks.iter().map(|c| c.len as u64).sum()
     }
 
-    /// Adds `len` bytes at `offset` of `file` to be read into `dest`, for tensor `name`.
-    /// Calls must come in (file, offset) order; the destinations must not overlap.
-    pub fn add(&mut self, file: usize, offset: u64, dest: *mut u8, len: usize, name: &str) {
+    /// Adds `dest.len()` bytes at `offset` of `file` to be read into `dest`, for tensor `name`.
+    /// Calls should come in (file, offset) order for reads to be sequential.
+    pub fn add(&mut self, file: usize, offset: u64, dest: &'d mut [u8], name: &str) {
+        let len = dest.len();
+        self.push(file, offset, dest, len, Transform::Copy, name);
+    }
+
+    /// Adds the `elements` elements of dtype `from` at `offset` of `file`, to be converted into
+    /// dtype `to` in `dest`, which must hold exactly `elements` elements of `to`.
+    ///
+    /// # Panics
+    /// When `dest`'s length is not `elements` times the size of `to`, or the pair has no
+    /// converter (`convert::supported`): callers check both first.
+    pub fn add_converting(
+        &mut self,
+        file: usize,
+        offset: u64,
+        dest: &'d mut [u8],
+        from: Dtype,
+        to: Dtype,
+        name: &str,
+    ) {
+        assert!(crate::convert::supported(from, to), "{from:?} -> {to:?}");
+        let (src_size, dst_size) = (from.bits() / 8, to.bits() / 8);
+        assert_eq!(dest.len() % dst_size, 0, "destination of whole elements");
+        let len = dest.len() / dst_size * src_size;
+        let transform = if from == to {
+            Transform::Copy
+        } else {
+            Transform::Convert { from, to }
+        };
+        self.push(file, offset, dest, len, transform, name);
+    }
+
+    fn push(
+        &mut self,
+        file: usize,
+        offset: u64,
+        dest: &'d mut [u8],
+        len: usize,
+        transform: Transform,
+        name: &str,
+    ) {
         if len == 0 {
             return;
         }
+        // Converting segments are cut on element boundaries (of both dtypes).
+        let (unit, dst_unit) = match transform {
+            Transform::Copy => (1, 1),
+            Transform::Convert { from, to } => (from.bits() / 8, to.bits() / 8),
+        };
         let tensor = self.tensors.len();
         self.tensors.push(name.to_string());
+        let mut rest: &'d mut [u8] = dest;
         let mut done = 0usize;
         while done < len {
             let at = offset + done as u64;
@@ -72,7 +169,7 @@ impl Plan {
                 Some(c)
                     if c.file == file
                         && c.offset + c.len as u64 == at
-                        && c.len < self.chunk_bytes
+                        && self.chunk_bytes - c.len.min(self.chunk_bytes) >= unit
                         && c.segments.len() < MAX_SEGMENTS =>
                 {
                     self.chunk_bytes - c.len
@@ -85,15 +182,17 @@ impl Plan {
                         len: 0,
                         segments: first..first,
                     });
-                    self.chunk_bytes
+                    self.chunk_bytes.max(unit)
                 }
             };
-            let take = room.min(len - done);
-            // `done + take <= len`: still inside the caller's destination.
-            let dest = dest.wrapping_add(done);
+            let take = (room.min(len - done) / unit) * unit;
+            let (here, tail) = std::mem::take(&mut rest).split_at_mut(take / unit * dst_unit);
+            rest = tail;
             self.segments.push(Segment {
-                dest,
+                dest: here.as_mut_ptr(),
                 len: take,
+                dest_len: here.len(),
+                transform,
                 tensor,
             });
             let chunk = self.chunks.last_mut().expect("pushed above");
@@ -110,14 +209,17 @@ mod tests {
 
     #[test]
     fn coalesces_small_and_splits_large() {
-        let mut buf = vec![0u8; 100];
-        let p = buf.as_mut_ptr();
+        let mut a = [0u8; 10];
+        let mut b = [0u8; 10];
+        let mut big = vec![0u8; 10_000];
+        let mut gap = [0u8; 5];
+        let mut other = [0u8; 5];
         let mut plan = Plan::new(4096);
-        plan.add(0, 8, p, 10, "a");
-        plan.add(0, 18, p, 10, "b");
-        plan.add(0, 28, p, 10_000, "big");
-        plan.add(0, 20_000, p, 5, "gap");
-        plan.add(1, 0, p, 5, "other file");
+        plan.add(0, 8, &mut a, "a");
+        plan.add(0, 18, &mut b, "b");
+        plan.add(0, 28, &mut big, "big");
+        plan.add(0, 20_000, &mut gap, "gap");
+        plan.add(1, 0, &mut other, "other file");
         let spans: Vec<(usize, u64, usize)> = plan
             .chunks
             .iter()
@@ -141,5 +243,27 @@ mod tests {
                 .sum();
             assert_eq!(sum, c.len);
         }
+    }
+
+    #[test]
+    fn converting_segments_split_on_element_boundaries() {
+        // 3 odd bytes first, so the BF16 tensor starts mid-chunk at an odd position.
+        let mut odd = [0u8; 3];
+        let mut wide = vec![0u8; 5000 * 4]; // 5000 BF16 elements into F32
+        let mut plan = Plan::new(4096);
+        plan.add(0, 0, &mut odd, "odd");
+        plan.add_converting(0, 3, &mut wide, Dtype::BF16, Dtype::F32, "w");
+        let conv: Vec<&Segment> = plan
+            .segments
+            .iter()
+            .filter(|s| s.transform != Transform::Copy)
+            .collect();
+        assert_eq!(conv.iter().map(|s| s.len).sum::<usize>(), 10_000);
+        assert_eq!(conv.iter().map(|s| s.dest_len).sum::<usize>(), 20_000);
+        for s in conv {
+            assert_eq!(s.len % 2, 0);
+            assert_eq!(s.dest_len, s.len * 2);
+        }
+        assert!(plan.chunks.iter().all(|c| c.len <= 4096));
     }
 }

@@ -5,7 +5,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::buffer::{self, Storage, TensorBytes};
+use crate::buffer::{self, Fresh, Storage, TensorBytes};
+use crate::dtype::Dtype;
 use crate::engine::{self, Input, Report, Settings};
 use crate::error::{Error, Result};
 use crate::header::{self, Header, TensorInfo};
@@ -140,15 +141,12 @@ impl Source {
         if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
             return Ok(bytes);
         }
-        let copy = buffer::allocate(&[info.nbytes()]).map_err(|e| self.read_err(info, e))?;
-        let [out] = <[TensorBytes; 1]>::try_from(copy)
-            .ok()
+        let mut copy = buffer::allocate(&[info.nbytes()])
+            .map_err(|e| self.read_err(info, e))?
+            .pop()
             .expect("one size, one buffer");
-        // SAFETY: both ranges are `nbytes` long and belong to different allocations.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_mut_ptr(), out.as_mut_ptr(), info.nbytes())
-        };
-        Ok(out)
+        copy.as_mut_slice().copy_from_slice(bytes.as_slice());
+        Ok(copy.into_shared())
     }
 
     fn mapping(&self) -> Result<Arc<Storage>> {
@@ -186,31 +184,25 @@ impl Source {
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<TensorBytes> {
-        let out = buffer::allocate(&[plan.nbytes])
+        let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
             .pop()
             .expect("one size, one buffer");
         let base = self.header.data_start() + info.begin as u64;
         let mut direct = Plan::new(chunk_bytes(&[self], opts));
-        // Small runs: (file offset, length, position in out), gathered by span below.
-        let mut small: Vec<(u64, usize, usize)> = Vec::new();
-        let mut pos = 0usize;
+        // Small runs: (file offset, destination), gathered by span below.
+        let mut small: Vec<(u64, &mut [u8])> = Vec::new();
+        let mut rest: &mut [u8] = out.as_mut_slice();
         for row in &plan.rows {
             for r in 0..row.count {
                 let at = base + (row.offset + r * row.stride_bytes) as u64;
+                let (dest, tail) = std::mem::take(&mut rest).split_at_mut(row.run_bytes);
+                rest = tail;
                 if row.run_bytes >= DIRECT_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096) {
-                    // SAFETY: pos + run_bytes <= plan.nbytes == out.len().
-                    direct.add(
-                        0,
-                        at,
-                        unsafe { out.as_mut_ptr().add(pos) },
-                        row.run_bytes,
-                        &info.name,
-                    );
+                    direct.add(0, at, dest, &info.name);
                 } else {
-                    small.push((at, row.run_bytes, pos));
+                    small.push((at, dest));
                 }
-                pos += row.run_bytes;
             }
         }
         engine::execute(
@@ -219,32 +211,31 @@ impl Source {
             settings(&[self], opts),
             poll,
         )?;
-        self.gather_small(info, &small, &out)?;
-        Ok(out)
+        drop(direct);
+        self.gather_small(info, &mut small)?;
+        Ok(out.into_shared())
     }
 
-    fn gather_small(
-        &self,
-        info: &TensorInfo,
-        runs: &[(u64, usize, usize)],
-        out: &TensorBytes,
-    ) -> Result<()> {
+    /// Reads small runs (file offset, destination), in file order, a span of neighbours at a
+    /// time into a scratch buffer, and copies each run out.
+    fn gather_small(&self, info: &TensorInfo, runs: &mut [(u64, &mut [u8])]) -> Result<()> {
         let mut scratch = Vec::new();
         let mut i = 0;
         while i < runs.len() {
             let start = runs[i].0;
             let mut end_run = i;
-            let mut span_end = runs[i].0 + runs[i].1 as u64;
+            let mut span_end = start + runs[i].1.len() as u64;
             while end_run + 1 < runs.len() {
-                let (next_at, next_len, _) = runs[end_run + 1];
-                if next_at < span_end || next_at - span_end > GATHER_GAP_BYTES as u64 {
-                    break;
-                }
-                if next_at + next_len as u64 - start > (4 << 20) {
+                let (next_at, ref next) = runs[end_run + 1];
+                let next_end = next_at + next.len() as u64;
+                if next_at < span_end
+                    || next_at - span_end > GATHER_GAP_BYTES as u64
+                    || next_end - start > (4 << 20)
+                {
                     break;
                 }
                 end_run += 1;
-                span_end = next_at + next_len as u64;
+                span_end = next_end;
             }
             scratch.resize((span_end - start) as usize, 0);
             let got = read_fully_at(&self.file, &mut scratch, start)
@@ -255,16 +246,9 @@ impl Source {
                     std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file ended early"),
                 ));
             }
-            for &(at, len, pos) in &runs[i..=end_run] {
-                let from = (at - start) as usize;
-                // SAFETY: pos + len <= out.len() (slice plan), scratch range checked by slicing.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        scratch[from..from + len].as_ptr(),
-                        out.as_mut_ptr().add(pos),
-                        len,
-                    )
-                };
+            for (at, dest) in runs[i..=end_run].iter_mut() {
+                let from = (*at - start) as usize;
+                dest.copy_from_slice(&scratch[from..from + dest.len()]);
             }
             i = end_run + 1;
         }
@@ -297,20 +281,16 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     }
 }
 
-/// Reads `len` bytes of tensor data starting `offset` bytes into the data area into `dest`
-/// (used to fill accelerator staging buffers). The range must lie within the data area.
-///
-/// # Safety
-/// `dest` must be valid for writes of `len` bytes, not read or written by anyone else until
-/// this returns.
-pub unsafe fn read_data_into(
+/// Reads tensor data starting `offset` bytes into the data area into `dest` (accelerator
+/// staging buffers, MPS memory). The range must lie within the data area.
+pub fn read_data_into(
     source: &Source,
     offset: u64,
-    len: usize,
-    dest: *mut u8,
+    dest: &mut [u8],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
+    let len = dest.len();
     let end = offset.checked_add(len as u64);
     if end.is_none_or(|end| end > source.header.data_len()) {
         return Err(Error::Slice(format!(
@@ -326,7 +306,7 @@ pub unsafe fn read_data_into(
         .find(|t| (t.begin as u64) <= offset && offset < t.end as u64)
         .map_or("<data>", |t| t.name.as_str());
     let mut plan = Plan::new(chunk_bytes(&[source], opts));
-    plan.add(0, source.header.data_start() + offset, dest, len, name);
+    plan.add(0, source.header.data_start() + offset, dest, name);
     engine::execute(
         &[source.input(Strategy::Pread)],
         &plan,
@@ -335,27 +315,61 @@ pub unsafe fn read_data_into(
     )
 }
 
-/// Reads tensors of one or more sources with one worker pool, in (source, offset) order, with
-/// `strategy` (Pread or Direct). Returns buffers in the order of `wanted`.
-pub fn read_tensors(
+/// One tensor to read and where it goes: `dest` holds exactly the tensor's elements as `dtype`
+/// (the file's dtype, or one [`crate::convert`] converts it to).
+pub struct Target<'s, 'd> {
+    /// Index into the sources.
+    pub source: usize,
+    pub info: &'s TensorInfo,
+    pub dtype: Dtype,
+    pub dest: &'d mut [u8],
+}
+
+/// Bytes a tensor takes as `dtype`: its size in the file when the dtype is its own, else its
+/// element count times the size of `dtype`. None when it cannot be converted to `dtype`.
+pub fn bytes_as(info: &TensorInfo, dtype: Dtype) -> Option<usize> {
+    if dtype == info.dtype {
+        return Some(info.nbytes());
+    }
+    if !crate::convert::supported(info.dtype, dtype) {
+        return None;
+    }
+    Some(info.nbytes() / (info.dtype.bits() / 8) * (dtype.bits() / 8))
+}
+
+/// Reads every target with one worker pool, in (source, offset) order, with `strategy` (Pread
+/// or Direct), converting where a target's dtype differs from the file's.
+pub fn read_targets(
     sources: &[&Source],
-    wanted: &[(usize, &TensorInfo)],
+    targets: Vec<Target<'_, '_>>,
     strategy: Strategy,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Vec<TensorBytes>, Report)> {
-    let sizes: Vec<usize> = wanted.iter().map(|(_, t)| t.nbytes()).collect();
-    let buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
-        Some((s, t)) => sources[*s].read_err(t, e),
-        None => Error::Cancelled,
-    })?;
-    let mut order: Vec<usize> = (0..wanted.len()).collect();
-    order.sort_by_key(|&i| (wanted[i].0, wanted[i].1.begin));
+) -> Result<Report> {
+    let mut targets = targets;
+    for t in &targets {
+        let want = bytes_as(t.info, t.dtype);
+        if want != Some(t.dest.len()) {
+            return Err(Error::Destination(format!(
+                "cannot read tensor {} ({:?}, {} bytes) of {} into {} bytes of {:?}",
+                t.info.name,
+                t.info.dtype,
+                t.info.nbytes(),
+                sources[t.source].path.display(),
+                t.dest.len(),
+                t.dtype
+            )));
+        }
+    }
+    targets.sort_by_key(|t| (t.source, t.info.begin));
     let mut plan = Plan::new(chunk_bytes(sources, opts));
-    for i in order {
-        let (s, info) = wanted[i];
-        let at = sources[s].header.data_start() + info.begin as u64;
-        plan.add(s, at, buffers[i].as_mut_ptr(), info.nbytes(), &info.name);
+    for t in targets {
+        let at = sources[t.source].header.data_start() + t.info.begin as u64;
+        if t.dtype == t.info.dtype {
+            plan.add(t.source, at, t.dest, &t.info.name);
+        } else {
+            plan.add_converting(t.source, at, t.dest, t.info.dtype, t.dtype, &t.info.name);
+        }
     }
     let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
     let mut report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
@@ -365,5 +379,52 @@ pub fn read_tensors(
     if opts.drop_cache {
         sources.iter().for_each(|s| storage::drop_cached(&s.file));
     }
-    Ok((buffers, report))
+    Ok(report)
+}
+
+/// Reads tensors of one or more sources into new memory with one worker pool; `dtype` converts
+/// the F32/F16/BF16 ones (others keep theirs). Returns buffers in the order of `wanted`, each
+/// with the dtype it holds.
+pub fn read_tensors(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    strategy: Strategy,
+    dtype: Option<Dtype>,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<(Vec<(TensorBytes, Dtype)>, Report)> {
+    let dtypes: Vec<Dtype> = wanted
+        .iter()
+        .map(|(_, t)| match dtype {
+            Some(d) if crate::convert::supported(t.dtype, d) => d,
+            _ => t.dtype,
+        })
+        .collect();
+    let sizes: Vec<usize> = wanted
+        .iter()
+        .zip(&dtypes)
+        .map(|((_, t), d)| bytes_as(t, *d).expect("supported, checked above"))
+        .collect();
+    let mut buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
+        Some((s, t)) => sources[*s].read_err(t, e),
+        None => Error::Cancelled,
+    })?;
+    let targets = wanted
+        .iter()
+        .zip(&dtypes)
+        .zip(buffers.iter_mut())
+        .map(|(((source, info), dtype), b)| Target {
+            source: *source,
+            info,
+            dtype: *dtype,
+            dest: b.as_mut_slice(),
+        })
+        .collect();
+    let report = read_targets(sources, targets, strategy, opts, poll)?;
+    let out = buffers
+        .into_iter()
+        .map(Fresh::into_shared)
+        .zip(dtypes)
+        .collect();
+    Ok((out, report))
 }

@@ -3,6 +3,7 @@ a clear exception, never a crash, a hang, a partial result, or a changed file.""
 
 import concurrent.futures as cf
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import torch
 import safeload
 import safeload.numpy as slnp
 import safeload.torch as sl
+import slowfs  # tests/support/slowfs.py, on sys.path through conftest
 from conftest import raw_bytes
 
 BACKENDS = ("pread", "direct", "mmap", "auto")
@@ -188,45 +190,140 @@ def test_no_leak_over_a_thousand_cycles(model):
     assert grown < 20 * 1024, f"RSS grew by {grown} KiB over 1000 cycles"
 
 
+# -- Ctrl-C --------------------------------------------------------------------------------------
+#
+# Each test interrupts a read that is provably in flight: the checkpoint (16 x 4 MiB) is read
+# through a slowfs FUSE mount that answers every request 50 ms late, so one load takes seconds,
+# and SIGINT goes out only once the mount has served CTRL_C_AFTER bytes of this load and still has
+# requests in flight. Workers stop between chunks, so small chunks (256 KiB, ~0.1 s each here)
+# bound how long cancelling may take. If cancellation were broken (the binding's poll never
+# cancelling, or workers ignoring the stop), the load would run to its end: the interrupt would
+# come seconds late, the mount would serve the whole file, and the child would hold its dict.
+
+CTRL_C_MOUNT = ("--latency", "0.05")
+CTRL_C_SETTINGS = {"threads": 8, "chunk_bytes": 128 << 10}
+CTRL_C_AFTER = 16 << 20
+CTRL_C_SKIP = slowfs.fuse_unavailable()
+
 INTERRUPT_SCRIPT = r"""
-import os, sys, threading, time, safeload
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4
-path = sys.argv[1]
-f = safeload.safe_open(path, "pt", backend="pread", threads=2, chunk_bytes=1 << 20)
-w = f.get_tensor("w0")  # imports torch and starts its own pools before counting
-del w
-start_rss, start_threads = rss(), len(os.listdir("/proc/self/task"))
-print("ready", flush=True)
+import gc, json, os, sys, time
+import torch, safeload, safeload.torch
+
+spec = json.loads(sys.argv[1])
+kwargs = dict(backend=spec["backend"], **spec["settings"])
+
+
+def rss_kib():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def threads():
+    # tid -> name; the pool's reaper ("safeload-pool") comes and goes with pooled memory
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names[tid] = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except OSError:
+            pass
+    return {t: n for t, n in names.items() if n != "safeload-pool"}
+
+
+def load(target):
+    if spec["how"] == "load_checkpoint":
+        return safeload.torch.load_checkpoint(target, **kwargs)
+    with safeload.safe_open(target, "pt", **kwargs) as f:
+        return f.get_tensors()
+
+
+load(spec["warmup"])  # the same call on a small file first: torch's and safeload's lazy pools
+gc.collect()
+safeload.release_memory()
+base_rss, base_threads = rss_kib(), threads()
+got = at = None
+print("reading", flush=True)
 try:
-    while True:
-        f.get_tensors()
+    got = load(spec["target"])
 except KeyboardInterrupt:
-    at = time.perf_counter()
-time.sleep(0.2)
-safeload.release_memory()  # freed buffers are pooled for the next load until idle or released
-print(at, rss() - start_rss, len(os.listdir("/proc/self/task")) - start_threads, flush=True)
+    at = time.monotonic()
+completed = got is not None
+del got
+gc.collect()
+time.sleep(0.1)
+read_rss = rss_kib()  # what the interrupted load wrote is freed into the pool, still resident
+left = {t: n for t, n in threads().items() if t not in base_threads}
+released = safeload.release_memory()  # freed buffers are pooled for the next load until idle or released
+print(json.dumps({"at": at, "completed": completed, "left_threads": left, "released": released,
+                  "rss_read_kib": read_rss - base_rss, "rss_after_kib": rss_kib() - base_rss}), flush=True)
 """
 
 
-def test_ctrl_c_stops_workers_and_frees_buffers(tmp_path):
-    path = tmp_path / "large.safetensors"
-    st.save_file({f"w{i}": torch.zeros(128 << 20, dtype=torch.uint8) for i in range(4)}, path)  # 512 MiB
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.5)
-        sent = time.perf_counter()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    at, rss_growth_kib, extra_threads = out.split()
-    assert float(at) - sent < 0.5
-    assert int(extra_threads) == 0
-    assert int(rss_growth_kib) < 64 * 1024  # the half-read 512 MiB was freed
+def mount_stats(mnt: str) -> dict:
+    """slowfs's counters (see MountPoint.stats) from ONE read: reading on to EOF, as stats() does,
+    can append the tail of a newer, longer line when the counters grow in between."""
+    with open(os.path.join(mnt, slowfs.STATS_FILE), "rb", buffering=0) as f:
+        line = f.read(4096).decode().split("\n")[0]
+    return {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
+
+
+@pytest.fixture(scope="module")
+def ctrl_c_files(tmp_path_factory):
+    """root/model.safetensors and root/ckpt/ (4 shards + index) holding the same 16 x 4 MiB, and
+    root/warm.safetensors; returns (root, tensor bytes)."""
+    root = tmp_path_factory.mktemp("ctrl_c")
+    tensors = {f"w{i:02d}": torch.full((4 << 20,), i, dtype=torch.uint8) for i in range(16)}
+    st.save_file(tensors, root / "model.safetensors")
+    (root / "ckpt").mkdir()
+    weight_map = {}
+    for shard in range(4):
+        name = f"model-{shard + 1:05d}-of-00004.safetensors"
+        part = {k: v for i, (k, v) in enumerate(tensors.items()) if i % 4 == shard}
+        st.save_file(part, root / "ckpt" / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (root / "ckpt" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    st.save_file({"a": torch.ones(2 << 20, dtype=torch.uint8), "b": torch.ones(1000)}, root / "warm.safetensors")
+    return root, 16 * (4 << 20)
+
+
+@pytest.mark.skipif(bool(CTRL_C_SKIP), reason=str(CTRL_C_SKIP))
+@pytest.mark.parametrize("how,backend", [("get_tensors", "pread"), ("get_tensors", "direct"), ("load_checkpoint", "pread")])
+def test_ctrl_c_stops_workers_and_frees_buffers(ctrl_c_files, tmp_path, how, backend):
+    root, total = ctrl_c_files
+    env = dict(os.environ, SAFELOAD_POOL_BYTES=str(1 << 30), SAFELOAD_POOL_IDLE_S="600")
+    env.pop("SAFELOAD_BACKEND", None)
+    with slowfs.mounted(str(root), str(tmp_path / "mnt"), *CTRL_C_MOUNT) as mnt:
+        spec = {"how": how, "backend": backend, "settings": CTRL_C_SETTINGS,
+                "target": os.path.join(mnt, "ckpt" if how == "load_checkpoint" else "model.safetensors"),
+                "warmup": os.path.join(mnt, "warm.safetensors")}
+        proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_SCRIPT, json.dumps(spec)], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        try:
+            assert proc.stdout.readline().strip() == "reading"
+            before = mount_stats(mnt)["bytes"]  # also resets the in-flight peak
+            deadline = time.monotonic() + 60
+            while True:
+                s = mount_stats(mnt)  # inflight_max: requests in flight now or since the previous call
+                if s["bytes"] - before >= CTRL_C_AFTER and s["inflight_max"] > 0:
+                    break
+                assert proc.poll() is None, "the child ended before it was interrupted"
+                assert time.monotonic() < deadline, f"the load never got going through the mount: {s}"
+                time.sleep(0.01)
+            sent = time.monotonic()  # CLOCK_MONOTONIC, the child's clock too
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        served = mount_stats(mnt)["bytes"] - before
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["at"] is not None and not r["completed"], f"the load was not interrupted: {r}"
+    assert r["at"] - sent < 0.5, f"KeyboardInterrupt came {r['at'] - sent:.3f} s after SIGINT"
+    assert served < total // 2, f"the mount served {served} of {total} bytes: the load went on after SIGINT"
+    assert r["left_threads"] == {}, f"threads left running: {r['left_threads']}"
+    # What the interrupted load had written (MiBs, resident once freed into the pool) was freed
+    # and released, not leaked.
+    assert r["rss_read_kib"] >= 4 << 10 and r["released"] >= 4 << 20, r
+    assert r["rss_after_kib"] < 2 << 10, r
 
 
 # -- writes --------------------------------------------------------------------------------------

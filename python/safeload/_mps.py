@@ -39,31 +39,23 @@ last_path: Optional[str] = None
 
 
 class Write(NamedTuple):
-    """One ``read_into`` call: ``length`` bytes at data ``offset`` of file ``source`` to host
-    ``address`` (an alias of device memory)."""
+    """One ``read_into`` call: ``length`` bytes at data ``offset`` of file ``source`` into
+    ``dest``, a uint8 CPU tensor over an alias of device memory (handed to the reader as DLPack:
+    no addresses)."""
 
     source: int
     offset: int
     length: int
-    address: int
+    dest: Any
 
 
-def plan_writes(spans: Sequence[Tuple[int, int, int, int]]) -> List[Write]:
-    """The read calls for ``(source, data offset, length, address)`` spans: in (source, offset)
-    order, zero-length spans dropped, neighbours merged into one call when the file bytes and the
-    destinations are both contiguous (large spans are chunked and parallelised by the engine)."""
-    writes: List[Write] = []
-    for source, offset, length, address in sorted(spans, key=lambda s: (s[0], s[1])):
-        if length == 0:
-            continue
-        if writes:
-            last = writes[-1]
-            if (last.source == source and last.offset + last.length == offset
-                    and last.address + last.length == address):
-                writes[-1] = last._replace(length=last.length + length)
-                continue
-        writes.append(Write(source, offset, length, address))
-    return writes
+def plan_writes(spans: Sequence[Tuple[int, int, int, Any]]) -> List[Write]:
+    """The read calls for ``(source, data offset, length, dest)`` spans: in (source, offset)
+    order, zero-length spans dropped. Each tensor is its own MPS storage, so each span is one
+    call (large spans are chunked and parallelised by the engine)."""
+    return [Write(source, offset, length, dest)
+            for source, offset, length, dest in sorted(spans, key=lambda s: (s[0], s[1]))
+            if length]
 
 
 def _alias_function(torch: Any) -> Optional[Callable[[Any], Any]]:
@@ -101,7 +93,7 @@ def load(
     # Every destination and alias before any read: a failure here costs no I/O.
     out: Dict[str, Any] = {}
     aliases: List[Any] = []  # kept alive until the writes are complete
-    spans: List[Tuple[int, int, int, int]] = []
+    spans: List[Tuple[int, int, int, Any]] = []
     try:
         for source, infos in enumerate(wanted):
             for name, code, shape, begin, end in infos:
@@ -123,7 +115,8 @@ def load(
                     raise
                 alias_usable = True
                 aliases.append(alias)
-                spans.append((source, begin, nbytes, alias.data_ptr() + at))
+                view = torch.empty(0, dtype=torch.uint8).set_(alias)  # CPU tensor over the alias
+                spans.append((source, begin, nbytes, view[at:at + nbytes]))
     except Exception as e:  # noqa: BLE001
         if alias_usable is not False:
             logger.debug("MPS: device allocation failed (%s); loading through host memory", e)
@@ -137,7 +130,7 @@ def load(
     _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
     done = 0
     for w in writes:
-        handles[w.source].read_into(w.address, w.offset, w.length)
+        handles[w.source].read_into(w.dest, w.offset)
         done += w.length
         if progress is not None:
             progress(done, total)

@@ -7,12 +7,14 @@ from typing_extensions import Self
 
 __all__ = [
     "Bytes",
+    "Checkpoint",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_THREADS",
     "Handle",
     "SafetensorError",
     "TensorSpec",
     "__version__",
+    "convert_bytes",
     "deserialize",
     "read_checkpoint",
     "residency",
@@ -30,11 +32,27 @@ class SafetensorError(Exception): ...
 
 @final
 class Bytes:
-    """Tensor bytes exposing the buffer protocol (writable, owned)."""
+    """Tensor bytes (writable, owned), wrapped without a copy through DLPack or numpy's array
+    struct/interface (the abi3 build has no buffer protocol)."""
 
     def __len__(self) -> int: ...
     @property
     def address(self) -> int: ...
+    def dlpack(self, code: str, shape: Sequence[int]) -> Any: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    @property
+    def __array_struct__(self) -> Any: ...
+    @property
+    def __array_interface__(self) -> Dict[str, Any]: ...
+    def __bytes__(self) -> bytes: ...
 
 _TensorTuple = Tuple[str, str, List[int], Bytes]
 
@@ -72,9 +90,34 @@ class Handle:
     def info(self, name: str) -> Tuple[str, List[int]]: ...
     def infos(self) -> List[Tuple[str, str, List[int], int, int]]: ...
     def read(self, name: str) -> _TensorTuple: ...
-    def read_into(self, address: int, offset: int, length: int) -> int: ...
+    def read_into(self, dest: Any, offset: int) -> int: ...
     def read_many(self, names: Optional[List[str]] = None) -> List[_TensorTuple]: ...
     def read_slice(self, name: str, indices: Sequence[Any]) -> Tuple[str, List[int], Bytes]: ...
+
+_Stats = Tuple[str, int, int, int, float, str]
+
+@final
+class Checkpoint:
+    def __new__(
+        cls,
+        paths: Sequence[Union[str, os.PathLike[str]]],
+        backend: str = "auto",
+        *,
+        threads: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+        drop_cache: bool = False,
+    ) -> Self: ...
+    @property
+    def backend(self) -> str: ...
+    def infos(self) -> List[Tuple[str, str, List[int], int, int, int]]: ...
+    def batches(self, names: Optional[List[str]] = None, *, max_bytes: int) -> List[List[str]]: ...
+    def read(
+        self, names: Optional[List[str]] = None, dtype: Optional[str] = None
+    ) -> Tuple[List[_TensorTuple], _Stats]: ...
+    def read_into(self, names: List[str], dests: List[Any]) -> _Stats: ...
+    def close(self) -> None: ...
+
+def convert_bytes(data: bytes, from_dtype: str, to_dtype: str) -> bytes: ...
 
 def read_checkpoint(
     paths: Sequence[Union[str, os.PathLike[str]]],

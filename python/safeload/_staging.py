@@ -522,7 +522,7 @@ def _load(
             sink.filling(index, slot)
             h = handles[fill.source]
             for offset, length, at in fill.reads:
-                h.read_into(address + at, offset, length)
+                h.read_into(buf[at:at + length], offset)
             in_flight[index] = fill.length
             stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
             pairs = []

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use super::bytes::Bytes;
+use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
 use crate::engine::Report;
 use crate::error::Error;
@@ -16,7 +17,7 @@ use crate::slice::{self, Index};
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::{Backend, Strategy};
 
-fn parse_backend(name: &str) -> PyResult<Backend> {
+pub(super) fn parse_backend(name: &str) -> PyResult<Backend> {
     Backend::parse(name).ok_or_else(|| {
         SafetensorError::new_err(format!(
             "backend {name:?} is invalid (expected one of: {})",
@@ -25,7 +26,11 @@ fn parse_backend(name: &str) -> PyResult<Backend> {
     })
 }
 
-fn options(threads: Option<usize>, chunk_bytes: Option<usize>, drop_cache: bool) -> ReadOptions {
+pub(super) fn options(
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    drop_cache: bool,
+) -> ReadOptions {
     ReadOptions {
         threads: threads.map(|t| t.max(1)),
         chunk_bytes,
@@ -54,9 +59,7 @@ pub struct Handle {
 }
 
 /// (name, dtype code, shape, bytes): what Python turns into a tensor.
-type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
-/// (bytes, seconds, threads, backend) of one read.
-type ReadStats = (u64, f64, usize, &'static str);
+pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
 /// (name, dtype code, shape, begin, end): a header entry.
 type InfoTuple = (String, &'static str, Vec<usize>, usize, usize);
 
@@ -111,10 +114,10 @@ impl Handle {
                 let opts = self.opts;
                 let s: &Source = source;
                 let (buffers, report) = detached(py, |poll| {
-                    source::read_tensors(&[s], &wanted, strategy, &opts, poll)
+                    source::read_tensors(&[s], &wanted, strategy, None, &opts, poll)
                 })?;
                 self.record(&report);
-                buffers
+                buffers.into_iter().map(|(b, _)| b).collect()
             }
         };
         Ok(infos
@@ -324,24 +327,18 @@ impl Handle {
         self.read_infos(py, &source, infos)
     }
 
-    /// Reads `length` bytes from `offset` bytes into the data area straight into memory at
-    /// `address` (a pinned staging buffer), GIL released. Returns bytes read.
-    ///
-    /// The caller guarantees `address` points at `length` writable bytes that nothing else
-    /// touches during the call (safeload's staging code passes buffers it owns).
-    fn read_into(
-        &self,
-        py: Python<'_>,
-        address: usize,
-        offset: u64,
-        length: usize,
-    ) -> PyResult<u64> {
+    /// Reads the data area from `offset` on straight into `dest`, any host tensor or array
+    /// exporting DLPack (a pinned staging buffer, an MPS storage's CPU alias), as many bytes as
+    /// it holds; GIL released. Returns bytes read.
+    fn read_into(&self, py: Python<'_>, dest: Bound<'_, PyAny>, offset: u64) -> PyResult<u64> {
         let source = self.source()?;
         let opts = self.opts;
         let s: &Source = &source;
-        // SAFETY: the caller's contract above; the range is checked against the file.
-        let report = detached(py, |poll| unsafe {
-            source::read_data_into(s, offset, length, address as *mut u8, &opts, poll)
+        let mut held = Destinations::borrow(&[dest], &["<staging>"])?;
+        let mut slices = held.slices();
+        let dest = slices.pop().expect("one destination");
+        let report = detached(py, |poll| {
+            source::read_data_into(s, offset, dest, &opts, poll)
         })?;
         self.record(&report);
         Ok(report.bytes)
@@ -362,14 +359,12 @@ impl Handle {
         let bytes = match self.strategy() {
             Strategy::Mmap => {
                 let whole = source.map_tensor(info).map_err(to_py)?;
-                let out = crate::buffer::allocate(&[plan.nbytes])
+                let mut out = crate::buffer::allocate(&[plan.nbytes])
                     .map_err(|e| to_py(Error::Serialize(format!("out of memory: {e}"))))?
                     .pop()
                     .expect("one size, one buffer");
-                // SAFETY: `out` is a fresh allocation of plan.nbytes bytes, not yet shared.
-                let dest = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr(), plan.nbytes) };
-                slice::gather(&plan, whole.as_slice(), dest);
-                out
+                slice::gather(&plan, whole.as_slice(), out.as_mut_slice());
+                out.into_shared()
             }
             _ => {
                 let opts = self.opts;
@@ -395,83 +390,5 @@ pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     Ok((
         crate::storage::cached_fraction(&file, 0, len),
         crate::storage::FsKind::of(&file, &path).name(),
-    ))
-}
-
-/// Reads every tensor of several files through one worker pool (shards overlap).
-/// `selection` optionally limits each file to some names. Returns one list per file.
-#[pyfunction]
-#[pyo3(signature = (paths, selection=None, *, backend="auto", threads=None, chunk_bytes=None, drop_cache=false))]
-pub fn read_checkpoint(
-    py: Python<'_>,
-    paths: Vec<PathBuf>,
-    selection: Option<Vec<Option<Vec<String>>>>,
-    backend: &str,
-    threads: Option<usize>,
-    chunk_bytes: Option<usize>,
-    drop_cache: bool,
-) -> PyResult<(Vec<Vec<TensorTuple>>, ReadStats)> {
-    let backend = parse_backend(backend)?;
-    let sources = py
-        .detach(|| {
-            paths
-                .iter()
-                .map(|p| Source::open(p))
-                .collect::<Result<Vec<_>, Error>>()
-        })
-        .map_err(to_py)?;
-    let mut wanted: Vec<(usize, &TensorInfo)> = Vec::new();
-    for (i, s) in sources.iter().enumerate() {
-        match selection
-            .as_ref()
-            .and_then(|sel| sel.get(i))
-            .and_then(|names| names.as_ref())
-        {
-            None => wanted.extend(s.header.tensors.iter().map(|t| (i, t))),
-            Some(names) => {
-                let mut infos = names
-                    .iter()
-                    .map(|n| s.tensor(n).map(|t| (i, t)))
-                    .collect::<Result<Vec<_>, Error>>()
-                    .map_err(to_py)?;
-                infos.sort_by_key(|(_, t)| t.begin);
-                wanted.extend(infos);
-            }
-        }
-    }
-    let opts = options(threads, chunk_bytes, drop_cache);
-    let refs: Vec<&Source> = sources.iter().collect();
-    // One pool for every shard: the first shard's resolution stands for all.
-    let strategy = refs.first().map_or(Strategy::Pread, |s| s.resolve(backend));
-    let (buffers, report, used) = if strategy == Strategy::Mmap {
-        let mapped = wanted
-            .iter()
-            .map(|(i, t)| refs[*i].map_tensor(t))
-            .collect::<Result<Vec<_>, Error>>()
-            .map_err(to_py)?;
-        (mapped, Report::default(), Strategy::Mmap)
-    } else {
-        let (buffers, report) = detached(py, |poll| {
-            source::read_tensors(&refs, &wanted, strategy, &opts, poll)
-        })?;
-        let used = if report.direct_refused {
-            Strategy::Pread
-        } else {
-            strategy
-        };
-        (buffers, report, used)
-    };
-    let mut out: Vec<Vec<TensorTuple>> = (0..sources.len()).map(|_| Vec::new()).collect();
-    for ((file, t), b) in wanted.into_iter().zip(buffers) {
-        out[file].push((
-            t.name.clone(),
-            t.dtype.code(),
-            t.shape.clone(),
-            Bytes::new(b),
-        ));
-    }
-    Ok((
-        out,
-        (report.bytes, report.seconds, report.threads, used.name()),
     ))
 }

@@ -3,6 +3,9 @@
 //! adaptation (torch, numpy, ...) lives in `python/safeload/`.
 
 mod bytes;
+mod checkpoint;
+mod convert;
+mod dlpack;
 mod errors;
 mod handle;
 mod write;
@@ -33,7 +36,9 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<write::TensorSpec>()?;
-    m.add_function(wrap_pyfunction!(handle::read_checkpoint, m)?)?;
+    m.add_class::<checkpoint::Checkpoint>()?;
+    m.add_function(wrap_pyfunction!(checkpoint::read_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;

@@ -1,0 +1,321 @@
+//! A checkpoint: one or many shards opened once (headers parsed once, storage probed once), its
+//! tensor table, byte-bounded batches of a selection, and one read that every consumer uses,
+//! into new memory or into memory the caller hands over, converting dtypes on the way.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use crate::buffer::TensorBytes;
+use crate::dtype::Dtype;
+use crate::engine::Report;
+use crate::error::{Error, Result};
+use crate::header::TensorInfo;
+use crate::source::{self, ReadOptions, Source, Target};
+use crate::storage::{Backend, Strategy};
+
+/// What one read did: the backend that ran, its workers and request size, the bytes it moved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReadStats {
+    pub backend: Strategy,
+    pub threads: usize,
+    pub chunk_bytes: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// The filesystem kind of the first shard ("local", "fuse", "hf-mount", "nfs" ...).
+    pub storage: &'static str,
+}
+
+/// A tensor of the checkpoint: its shard and its header entry.
+pub type Entry<'c> = (usize, &'c TensorInfo);
+
+pub struct Checkpoint {
+    pub shards: Vec<Source>,
+    index: HashMap<String, (usize, usize)>,
+    backend: Backend,
+    opts: ReadOptions,
+}
+
+impl Checkpoint {
+    /// Opens every shard and indexes the tensors; a name in two shards is an error.
+    pub fn open(paths: &[PathBuf], backend: Backend, opts: ReadOptions) -> Result<Checkpoint> {
+        let shards = paths
+            .iter()
+            .map(|p| Source::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut index = HashMap::new();
+        for (s, shard) in shards.iter().enumerate() {
+            for (t, info) in shard.header.tensors.iter().enumerate() {
+                if let Some((first, _)) = index.insert(info.name.clone(), (s, t)) {
+                    return Err(Error::Destination(format!(
+                        "tensor {} appears in more than one shard ({} and {})",
+                        info.name,
+                        shards[first].path.display(),
+                        shard.path.display()
+                    )));
+                }
+            }
+        }
+        Ok(Checkpoint {
+            shards,
+            index,
+            backend,
+            opts,
+        })
+    }
+
+    /// Every tensor, in (shard, offset) order.
+    pub fn entries(&self) -> impl Iterator<Item = Entry<'_>> {
+        self.shards
+            .iter()
+            .enumerate()
+            .flat_map(|(s, shard)| shard.header.tensors.iter().map(move |t| (s, t)))
+    }
+
+    pub fn get(&self, name: &str) -> Result<Entry<'_>> {
+        let &(s, t) = self.index.get(name).ok_or_else(|| Error::TensorNotFound {
+            name: name.to_string(),
+        })?;
+        Ok((s, &self.shards[s].header.tensors[t]))
+    }
+
+    /// The named tensors (every one when `names` is None), in (shard, offset) order.
+    pub fn select(&self, names: Option<&[String]>) -> Result<Vec<Entry<'_>>> {
+        let Some(names) = names else {
+            return Ok(self.entries().collect());
+        };
+        let mut picked = names
+            .iter()
+            .map(|n| self.get(n))
+            .collect::<Result<Vec<_>>>()?;
+        picked.sort_by_key(|(s, t)| (*s, t.begin));
+        Ok(picked)
+    }
+
+    /// Cuts a selection (in file order) into batches of at most `max_bytes` (a tensor larger
+    /// than that is a batch of its own), for streaming and for exchanging shares.
+    pub fn batches<'c>(selection: &[Entry<'c>], max_bytes: u64) -> Vec<Vec<Entry<'c>>> {
+        let mut out: Vec<Vec<Entry<'c>>> = Vec::new();
+        let mut used = 0u64;
+        for &(s, t) in selection {
+            let n = t.nbytes() as u64;
+            match out.last_mut() {
+                Some(batch) if !batch.is_empty() && used + n <= max_bytes => {
+                    batch.push((s, t));
+                    used += n;
+                }
+                _ => {
+                    out.push(vec![(s, t)]);
+                    used = n;
+                }
+            }
+        }
+        out
+    }
+
+    /// How this checkpoint is read: the first shard's resolution of the backend stands for all.
+    pub fn strategy(&self) -> Strategy {
+        self.shards
+            .first()
+            .map_or(Strategy::Pread, |s| s.resolve(self.backend))
+    }
+
+    fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
+        let refs: Vec<&Source> = self.shards.iter().collect();
+        ReadStats {
+            backend: if report.direct_refused {
+                Strategy::Pread
+            } else {
+                backend
+            },
+            threads: report.threads,
+            chunk_bytes: source::chunk_bytes(&refs, &self.opts),
+            bytes: report.bytes,
+            seconds: report.seconds,
+            storage: self.shards.first().map_or("local", |s| s.kind.name()),
+        }
+    }
+
+    /// Reads a selection into new memory (mapped views when the strategy is mmap), converting
+    /// F32/F16/BF16 tensors to `dtype` when given. Returns the bytes and dtype of each, in the
+    /// order of `selection`.
+    pub fn read(
+        &self,
+        selection: &[Entry<'_>],
+        dtype: Option<Dtype>,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<(Vec<(TensorBytes, Dtype)>, ReadStats)> {
+        let mut strategy = self.strategy();
+        let converts = dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d));
+        if strategy == Strategy::Mmap && converts {
+            strategy = Strategy::Pread; // a map cannot change dtypes
+        }
+        if strategy == Strategy::Mmap {
+            let views = selection
+                .iter()
+                .map(|(s, t)| Ok((self.shards[*s].map_tensor(t)?, t.dtype)))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok((views, self.stats(strategy, &Report::default())));
+        }
+        let refs: Vec<&Source> = self.shards.iter().collect();
+        let (out, report) =
+            source::read_tensors(&refs, selection, strategy, dtype, &self.opts, poll)?;
+        Ok((out, self.stats(strategy, &report)))
+    }
+
+    /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and
+    /// its bytes). Destinations are distinct borrows, so they cannot overlap.
+    pub fn read_into(
+        &self,
+        targets: Vec<Target<'_, '_>>,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<ReadStats> {
+        let strategy = match self.strategy() {
+            Strategy::Mmap => Strategy::Pread, // into existing memory: copy from the cache
+            s => s,
+        };
+        let refs: Vec<&Source> = self.shards.iter().collect();
+        let report = source::read_targets(&refs, targets, strategy, &self.opts, poll)?;
+        Ok(self.stats(strategy, &report))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serialize;
+
+    fn write(path: &std::path::Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let mut specs: Vec<serialize::TensorIn<'_>> = tensors
+            .iter()
+            .map(|(n, d, s, b)| serialize::TensorIn {
+                name: n,
+                dtype: *d,
+                shape: s,
+                data: b,
+            })
+            .collect();
+        serialize::to_file(path, &mut specs, None, false).unwrap();
+    }
+
+    #[test]
+    fn shards_batches_reads_and_conversions() {
+        let dir = std::env::temp_dir().join(format!("safeload-ckpt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+        let ones_bf16: Vec<u8> = (0..1000).flat_map(|_| 0x3f80u16.to_le_bytes()).collect();
+        write(
+            &a,
+            &[
+                ("x", Dtype::BF16, vec![1000], ones_bf16.clone()),
+                ("y", Dtype::U8, vec![3], vec![1, 2, 3]),
+            ],
+        );
+        write(
+            &b,
+            &[(
+                "z",
+                Dtype::F32,
+                vec![2],
+                [1.5f32, -2.0]
+                    .iter()
+                    .flat_map(|f| f.to_le_bytes())
+                    .collect(),
+            )],
+        );
+        let ckpt = Checkpoint::open(
+            &[a.clone(), b.clone()],
+            Backend::Pread,
+            ReadOptions::default(),
+        )
+        .unwrap();
+        let all = ckpt.select(None).unwrap();
+        assert_eq!(
+            all.iter().map(|(_, t)| t.name.as_str()).collect::<Vec<_>>(),
+            ["x", "y", "z"]
+        );
+        let batches = Checkpoint::batches(&all, 2000);
+        assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), [1, 2]);
+
+        // New memory, BF16 converted to F32, others untouched.
+        let (out, stats) = ckpt.read(&all, Some(Dtype::F32), &mut || false).unwrap();
+        assert_eq!(stats.backend, Strategy::Pread);
+        assert_eq!(out[0].1, Dtype::F32);
+        assert!(
+            out[0]
+                .0
+                .as_slice()
+                .chunks(4)
+                .all(|c| c == 1.0f32.to_le_bytes())
+        );
+        assert_eq!(
+            (out[1].0.as_slice(), out[1].1),
+            (&[1u8, 2, 3][..], Dtype::U8)
+        );
+
+        // Into caller memory: F16 destination for the BF16 tensor.
+        let mut x = vec![0u8; 2000];
+        let mut z = vec![0u8; 8];
+        let (_, xi) = ckpt.get("x").unwrap();
+        let (zs, zi) = ckpt.get("z").unwrap();
+        let targets = vec![
+            Target {
+                source: 0,
+                info: xi,
+                dtype: Dtype::F16,
+                dest: &mut x,
+            },
+            Target {
+                source: zs,
+                info: zi,
+                dtype: Dtype::F32,
+                dest: &mut z,
+            },
+        ];
+        ckpt.read_into(targets, &mut || false).unwrap();
+        assert!(x.chunks(2).all(|c| c == 0x3c00u16.to_le_bytes()));
+        assert_eq!(
+            z,
+            [1.5f32, -2.0]
+                .iter()
+                .flat_map(|f| f.to_le_bytes())
+                .collect::<Vec<_>>()
+        );
+
+        // Wrong sizes and unconvertible dtypes are refused before any read.
+        let mut small = vec![0u8; 10];
+        let bad = vec![Target {
+            source: 0,
+            info: xi,
+            dtype: Dtype::F32,
+            dest: &mut small,
+        }];
+        assert!(matches!(
+            ckpt.read_into(bad, &mut || false),
+            Err(Error::Destination(_))
+        ));
+        let (_, yi) = ckpt.get("y").unwrap();
+        let mut y = vec![0u8; 12];
+        let bad = vec![Target {
+            source: 0,
+            info: yi,
+            dtype: Dtype::F32,
+            dest: &mut y,
+        }];
+        assert!(matches!(
+            ckpt.read_into(bad, &mut || false),
+            Err(Error::Destination(_))
+        ));
+
+        // A name in two shards.
+        assert!(
+            Checkpoint::open(
+                &[a.clone(), a.clone()],
+                Backend::Pread,
+                ReadOptions::default()
+            )
+            .is_err()
+        );
+        drop(ckpt); // Windows cannot delete files still open
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,207 @@
+//! DLPack, both ways: the ABI (dlpack.h's unversioned `DLManagedTensor`, which every consumer
+//! accepts; `bytes.rs` exports tensor bytes with it), and memory the caller hands over to be read
+//! into (`obj.__dlpack__()`): CPU or pinned host tensors and arrays, contiguous. Python never
+//! names an address: the capsule describes the memory and keeps it alive while it is held here.
+
+use std::ffi::{CStr, c_void};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::dtype::Dtype;
+
+pub(super) const CAPSULE_NAME: &CStr = c"dltensor";
+/// kDLCPU.
+pub(super) const DL_CPU: i32 = 1;
+/// kDLCUDAHost: pinned host memory.
+const DL_CUDA_HOST: i32 = 3;
+
+#[repr(C)]
+pub(super) struct DLDevice {
+    pub device_type: i32,
+    pub device_id: i32,
+}
+
+#[repr(C)]
+pub(super) struct DLDataType {
+    pub code: u8,
+    pub bits: u8,
+    pub lanes: u16,
+}
+
+#[repr(C)]
+pub(super) struct DLTensor {
+    pub data: *mut c_void,
+    pub device: DLDevice,
+    pub ndim: i32,
+    pub dtype: DLDataType,
+    pub shape: *mut i64,
+    pub strides: *mut i64,
+    pub byte_offset: u64,
+}
+
+#[repr(C)]
+pub(super) struct DLManagedTensor {
+    pub dl_tensor: DLTensor,
+    pub manager_ctx: *mut c_void,
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// The format's dtypes that DLPack describes exactly, as (code, bits): kDLInt 0, kDLUInt 1,
+/// kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6. fp8 and packed fp4 have no entry.
+const TYPES: &[(Dtype, u8, u8)] = &[
+    (Dtype::BOOL, 6, 8),
+    (Dtype::U8, 1, 8),
+    (Dtype::I8, 0, 8),
+    (Dtype::I16, 0, 16),
+    (Dtype::U16, 1, 16),
+    (Dtype::F16, 2, 16),
+    (Dtype::BF16, 4, 16),
+    (Dtype::I32, 0, 32),
+    (Dtype::U32, 1, 32),
+    (Dtype::F32, 2, 32),
+    (Dtype::C64, 5, 64),
+    (Dtype::F64, 2, 64),
+    (Dtype::I64, 0, 64),
+    (Dtype::U64, 1, 64),
+];
+
+/// DLPack's (code, bits) for a dtype.
+pub(super) fn dl_type(dtype: Dtype) -> Option<(u8, u8)> {
+    TYPES
+        .iter()
+        .find(|(d, _, _)| *d == dtype)
+        .map(|&(_, code, bits)| (code, bits))
+}
+
+/// The dtype of a DLPack element type, where the format has one.
+fn dtype_of(code: u8, bits: u8) -> Option<Dtype> {
+    TYPES
+        .iter()
+        .find(|&&(_, c, b)| c == code && b == bits)
+        .map(|&(d, _, _)| d)
+}
+
+/// One destination: the capsule that keeps it alive, and what it describes.
+struct Held<'py> {
+    _capsule: Bound<'py, PyAny>,
+    ptr: *mut u8,
+    len: usize,
+    dtype: Option<Dtype>,
+}
+
+/// Destinations borrowed from Python objects for one read, checked to be host memory,
+/// contiguous and pairwise disjoint, so handing out `&mut [u8]` for each is sound.
+pub struct Destinations<'py> {
+    held: Vec<Held<'py>>,
+}
+
+impl<'py> Destinations<'py> {
+    /// Takes `__dlpack__()` of every object; `names` label errors.
+    pub fn borrow(objects: &[Bound<'py, PyAny>], names: &[&str]) -> PyResult<Self> {
+        let mut held = Vec::with_capacity(objects.len());
+        for (obj, name) in objects.iter().zip(names) {
+            held.push(hold(obj, name)?);
+        }
+        let mut spans: Vec<(usize, usize, usize)> = held
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| h.len > 0)
+            .map(|(i, h)| (h.ptr as usize, h.ptr as usize + h.len, i))
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(PyValueError::new_err(format!(
+                    "destinations of {} and {} share memory",
+                    names[w[0].2], names[w[1].2]
+                )));
+            }
+        }
+        Ok(Destinations { held })
+    }
+
+    /// The dtype of each destination (None: an element type the format does not have).
+    pub fn dtypes(&self) -> Vec<Option<Dtype>> {
+        self.held.iter().map(|h| h.dtype).collect()
+    }
+
+    /// Every destination's bytes, borrowed for as long as `self` is.
+    pub fn slices(&mut self) -> Vec<&mut [u8]> {
+        self.held
+            .iter_mut()
+            .map(|h| {
+                if h.len == 0 {
+                    return &mut [][..];
+                }
+                // SAFETY: the capsule (held in `h`, alive as long as `self`) describes `len`
+                // bytes of host memory at `ptr` that its producer keeps alive; `borrow` checked
+                // the spans are pairwise disjoint, and `&mut self` makes these the only borrows
+                // made here. The caller must not touch the objects from other threads meanwhile
+                // (the documented contract of reading into a caller's tensors).
+                unsafe { std::slice::from_raw_parts_mut(h.ptr, h.len) }
+            })
+            .collect()
+    }
+}
+
+fn hold<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Held<'py>> {
+    let bad =
+        |why: &str| PyValueError::new_err(format!("cannot read tensor {name} into it: {why}"));
+    let capsule = obj
+        .call_method0("__dlpack__")
+        .map_err(|e| bad(&format!("no DLPack export ({e})")))?;
+    // SAFETY: PyCapsule_IsValid accepts any object pointer.
+    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } != 1 {
+        return Err(bad("__dlpack__ did not return a \"dltensor\" capsule"));
+    }
+    // SAFETY: a valid "dltensor" capsule holds a DLManagedTensor, whose first member is the
+    // DLTensor; the capsule (kept in `Held`) keeps it alive, and we never consume it, so its own
+    // destructor releases it later.
+    let t = unsafe {
+        &*(ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) as *const DLTensor)
+    };
+    if ![DL_CPU, DL_CUDA_HOST].contains(&t.device.device_type) {
+        return Err(bad(
+            "not host memory (move it to the CPU, or load to the device)",
+        ));
+    }
+    if t.dtype.lanes != 1 || t.dtype.bits % 8 != 0 {
+        return Err(bad("vector or sub-byte element type"));
+    }
+    let ndim = usize::try_from(t.ndim).map_err(|_| bad("negative ndim"))?;
+    let shape: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: DLPack gives `ndim` shape entries.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    let item = (t.dtype.bits / 8) as usize;
+    let mut len = item;
+    for &d in shape {
+        let d = usize::try_from(d).map_err(|_| bad("negative dimension"))?;
+        len = len.checked_mul(d).ok_or_else(|| bad("size overflows"))?;
+    }
+    if !t.strides.is_null() && len > 0 {
+        // SAFETY: DLPack gives `ndim` stride entries when `strides` is not null.
+        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        let mut expect = 1i64;
+        for (&d, &s) in shape.iter().zip(strides).rev() {
+            if d != 1 && s != expect {
+                return Err(bad("not contiguous"));
+            }
+            expect *= d;
+        }
+    }
+    let ptr = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
+    if ptr.is_null() && len > 0 {
+        return Err(bad("null data pointer"));
+    }
+    Ok(Held {
+        _capsule: capsule,
+        ptr,
+        len,
+        dtype: dtype_of(t.dtype.code, t.dtype.bits),
+    })
+}
