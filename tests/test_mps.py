@@ -140,15 +140,24 @@ def fake_mps(monkeypatch):
     monkeypatch.setattr(_staging.HostThenToSink, "deliver", to_device)
 
     SpyHandle.rec = rec
-    for module in (_open, _staging, _checkpoint):
+    for module in (_open, _staging):
         monkeypatch.setattr(module, "Handle", SpyHandle)
-    real_read_checkpoint = _checkpoint.read_checkpoint
+    real_checkpoint = _checkpoint.Checkpoint
 
-    def read_checkpoint(*a, **k):
-        rec.events.append(("host_read", "read_checkpoint"))
-        return real_read_checkpoint(*a, **k)
+    class SpyCheckpoint:
+        """Host reads of whole checkpoints (the CPU path) are recorded."""
 
-    monkeypatch.setattr(_checkpoint, "read_checkpoint", read_checkpoint)
+        def __init__(self, *a, **k):
+            self._c = real_checkpoint(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(self._c, name)
+
+        def read(self, *a, **k):
+            rec.events.append(("host_read", "Checkpoint.read"))
+            return self._c.read(*a, **k)
+
+    monkeypatch.setattr(_checkpoint, "Checkpoint", SpyCheckpoint)
     return rec
 
 

@@ -182,7 +182,7 @@ def test_loaders_through_safeload(sample, handle_spy):
     fresh = torch.nn.Linear(4, 3)
     assert safetensors.torch.load_model(fresh, sample) == (set(), [])
     assert torch.equal(fresh.weight, model.weight)
-    assert handle_spy == ["auto", "auto", "auto"]  # load_file (pt, np), load_model
+    assert handle_spy == ["auto", "auto"]  # load_file (pt, np); load_model reads through a Checkpoint
     assert safetensors.torch.load_file.__name__ == "load_file"
     assert safetensors.torch.load_file.__doc__ == safeload.torch.load_file.__doc__
 

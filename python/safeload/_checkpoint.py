@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS
 from ._open import Stats, resolve_backend
-from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
+from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, SafetensorError
 
 Progress = Callable[[int, int], None]
 
@@ -70,8 +70,11 @@ def load_checkpoint(
     drop_cache: bool = False,
     progress: Any = None,
     return_stats: bool = False,
+    dtype: Any = None,
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
+
+    ``dtype`` (torch.float32/float16/bfloat16) converts the floating-point tensors on the way.
 
     ``progress``: a callable ``(bytes_done, bytes_total)``, True for a tqdm bar (streams in
     batches to report), False for none; by default a bar is shown for multi-shard checkpoints
@@ -90,13 +93,7 @@ def load_checkpoint(
         out, stats = _staging.load_checkpoint_to_device(
             paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
             progress=callback)
-    elif backend == "mmap":
-        for p in paths:
-            h = Handle(p, "mmap")
-            for name, code, shape, data in h.read_many():
-                out[name] = convert(name, code, shape, data)
-        stats = Stats("mmap", 0, 0, 0, 0.0, h.storage)
-    elif progress is not None:
+    elif progress is not None and dtype is None:
         started = time.perf_counter()
         callback = _progress_callback(progress)
         stream = _stream(paths, convert, None, backend, threads, chunk_bytes, drop_cache, callback)
@@ -106,14 +103,17 @@ def load_checkpoint(
             total += nbytes
         stats = Stats(backend, threads or 0, chunk_bytes or DEFAULT_CHUNK_BYTES, total,
                       time.perf_counter() - started, "")
-    else:
-        per_file, (nbytes, seconds, used_threads, used) = read_checkpoint(
-            paths, backend=backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache
-        )
-        for tensors in per_file:
-            for name, code, shape, data in tensors:
-                _add(out, name, convert(name, code, shape, data))
-        stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
+    else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
+        from ._into import dtype_code, stats_of
+
+        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+        try:
+            items, counters = ckpt.read(dtype=dtype_code(dtype))
+        finally:
+            ckpt.close()
+        for name, code, shape, data in items:
+            out[name] = convert(name, code, shape, data)
+        stats = stats_of(counters)
     _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
 
@@ -187,39 +187,28 @@ def _stream(
     drop_cache: bool,
     progress: Optional[Progress],
 ) -> Iterator[Tuple[str, Any, int]]:
-    if backend == "mmap":
-        backend = "auto"  # a stream reads into owned memory batch by batch
-    plan: List[Tuple[int, str, int]] = []
-    for i, p in enumerate(paths):
-        h = Handle(p, "pread")
-        plan.extend((i, name, end - begin) for name, _, _, begin, end in h.infos())
-        h.close()
-    total = sum(n for _, _, n in plan)
-    if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
-        max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
-    done = 0
-    for batch in _batches(plan, max_inflight_bytes):
-        selection: List[Optional[List[str]]] = [[] for _ in paths]
-        for i, name, _ in batch:
-            selection[i].append(name)  # type: ignore[union-attr]
-        per_file, _ = read_checkpoint(paths, selection, backend=backend, threads=threads,
-                                      chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-        for tensors in per_file:
-            for name, code, shape, data in tensors:
-                yield name, convert(name, code, shape, data), len(data)
-        done += sum(n for _, _, n in batch)
-        if progress is not None:
-            progress(done, total)
+    """Batches of the checkpoint in file order, opened once: the next batch is read (GIL
+    released) while the caller uses the current one, so each holds at most half of
+    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-
-def _batches(plan: Sequence[Tuple[int, str, int]], limit: int) -> Iterator[List[Tuple[int, str, int]]]:
-    batch: List[Tuple[int, str, int]] = []
-    size = 0
-    for item in plan:
-        if batch and size + item[2] > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += item[2]
-    if batch:
-        yield batch
+    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    try:
+        total = sum(end - begin for _, _, _, begin, end, _ in ckpt.infos())
+        if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
+            max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
+        batches = ckpt.batches(max_bytes=max(1, max_inflight_bytes // 2))
+        done = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeload-stream") as pool:
+            ahead = pool.submit(ckpt.read, batches[0]) if batches else None
+            for i in range(len(batches)):
+                assert ahead is not None
+                items, _ = ahead.result()
+                ahead = pool.submit(ckpt.read, batches[i + 1]) if i + 1 < len(batches) else None
+                for name, code, shape, data in items:
+                    yield name, convert(name, code, shape, data), len(data)
+                done += sum(len(item[3]) for item in items)
+                if progress is not None:
+                    progress(done, total)
+    finally:
+        ckpt.close()

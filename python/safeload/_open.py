@@ -160,13 +160,18 @@ class safe_open:
         name, code, shape, data = self._handle.read(name)
         return self._tensor(name, code, shape, data)
 
-    def get_tensors(self) -> Dict[str, Any]:
-        """Reads every tensor at once with the parallel reader; dict in file order."""
+    def get_tensors(self, *, dtype: Any = None) -> Dict[str, Any]:
+        """Reads every tensor at once with the parallel reader; dict in file order. ``dtype``
+        (torch.float32/float16/bfloat16 or "F32"/"F16"/"BF16") converts the floating-point
+        tensors on the way, bit-exact with torch's conversion."""
         if self._device is not None:  # accelerator: through the staging ring
             tensors = _staging.load_to_device(self._handle, self._device)
             _logging.log_read(self._handle.path, self, "get_tensors")
+            if dtype is not None:
+                tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
             return tensors
-        tensors = MANY[self._framework](self._handle.read_many())
+        code = dtype if dtype is None or dtype in ("F32", "F16", "BF16") else _into_code(dtype)
+        tensors = MANY[self._framework](self._handle.read_many(dtype=code))
         _logging.log_read(self._handle.path, self, "get_tensors")
         if self._device is not None:
             tensors = {name: t.to(self._device) for name, t in tensors.items()}
@@ -176,6 +181,12 @@ class safe_open:
         """A lazy view of a tensor; index it to read only the bytes needed."""
         code, shape = self._handle.info(name)
         return SafeSlice(self, self._handle.share(), name, code, shape)
+
+
+def _into_code(dtype: Any) -> str:
+    from ._into import dtype_code
+
+    return dtype_code(dtype)  # type: ignore[return-value]
 
 
 class _safe_open_handle(safe_open):

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
-from . import _checkpoint
+from . import _checkpoint, _into
 from ._frameworks import torch_dtype
 from ._open import DEFAULT_BACKEND, safe_open
 from ._safeload import TensorSpec, deserialize, serialize, serialize_file
@@ -19,6 +19,7 @@ __all__ = [
     "load_checkpoint",
     "iter_checkpoint",
     "load_model",
+    "load_into",
     "save",
     "save_file",
     "save_model",
@@ -240,10 +241,13 @@ def save_model(
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> Dict[str, torch.Tensor]:
-    """Loads every tensor of ``filename`` (in parallel, into memory each tensor owns)."""
+def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND,
+              dtype: Any = None) -> Dict[str, torch.Tensor]:
+    """Loads every tensor of ``filename`` (in parallel, into memory each tensor owns).
+    ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on the
+    way, bit-exact with ``tensor.to(dtype)``."""
     with safe_open(filename, framework="pt", device=device, backend=backend) as f:
-        return f.get_tensors()
+        return f.get_tensors(dtype=dtype) if dtype is not None else f.get_tensors()
 
 
 def load(data: bytes) -> Dict[str, torch.Tensor]:
@@ -265,18 +269,26 @@ def load_model(
     *,
     backend: str = DEFAULT_BACKEND,
 ) -> Tuple[List[str], List[str]]:
-    """Loads ``filename`` into ``model``, handling names that share memory in the model."""
-    state_dict = load_file(filename, device=device, backend=backend)
-    model_state_dict = model.state_dict()
-    to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
-    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = set(missing_list)
-    for group in to_removes.values():
-        for name in group:
-            if name not in missing:
-                unexpected.append(name)
-            else:
-                missing.remove(name)
+    """Loads ``filename`` (or shards, a directory, an index.json) into ``model``, handling names
+    that share memory in the model, with safetensors' results: ``(missing, unexpected)``, the
+    same strict errors. CPU parameters and buffers are read straight into (no new memory, dtypes
+    converted on the way, storages unchanged); a model that loads its state its own way (hooks,
+    a custom ``_load_from_state_dict``) goes through ``load_state_dict``."""
+    direct = _into.load_model_into(model, filename, strict, backend=backend)
+    if direct is not None:
+        missing, unexpected = direct
+    else:
+        state_dict = load_file(filename, device=device, backend=backend)
+        model_state_dict = model.state_dict()
+        to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
+        missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = set(missing_list)
+        for group in to_removes.values():
+            for name in group:
+                if name not in missing:
+                    unexpected.append(name)
+                else:
+                    missing.remove(name)
     if strict and (missing or unexpected):
         missing_keys = ", ".join(f'"{k}"' for k in sorted(missing))
         unexpected_keys = ", ".join(f'"{k}"' for k in sorted(unexpected))
@@ -312,6 +324,13 @@ def load_checkpoint(
         return distributed.load_checkpoint(path_or_paths, device, backend=backend, process_group=process_group,
                                            plan=plan, ranks_needing=ranks_needing, **kwargs)
     return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, backend=backend, **kwargs)
+
+
+def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **kwargs: Any) -> Any:
+    """Reads each named tensor of a checkpoint straight into the given tensor, in place
+    (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache.
+    Returns the read's stats. See :mod:`safeload._into`."""
+    return _into.load_into(tensors, path_or_paths, **kwargs)
 
 
 def iter_checkpoint(path_or_paths: Any, device: Any = "cpu", **kwargs: Any) -> Iterable[Tuple[str, torch.Tensor]]:

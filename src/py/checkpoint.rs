@@ -34,7 +34,7 @@ fn stats(s: ReadStats) -> StatsTuple {
     )
 }
 
-fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
+pub(super) fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
     code.map(|c| {
         Dtype::from_code(c).ok_or_else(|| SafetensorError::new_err(format!("dtype {c} is invalid")))
     })

@@ -10,6 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
+use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::Error;
 use crate::header::TensorInfo;
@@ -102,35 +103,35 @@ impl Handle {
         py: Python<'_>,
         source: &Arc<Source>,
         infos: Vec<&TensorInfo>,
+        dtype: Option<Dtype>,
     ) -> PyResult<Vec<TensorTuple>> {
+        let converts = dtype.is_some_and(|d| infos.iter().any(|t| t.dtype != d));
         let buffers = match self.strategy() {
-            Strategy::Mmap => infos
+            // A map cannot change dtypes: reads that convert go through the parallel reader.
+            Strategy::Mmap if !converts => infos
                 .iter()
-                .map(|t| source.map_tensor(t))
+                .map(|t| Ok((source.map_tensor(t)?, t.dtype)))
                 .collect::<Result<Vec<_>, Error>>()
                 .map_err(to_py)?,
             strategy => {
+                let strategy = match strategy {
+                    Strategy::Mmap => Strategy::Pread,
+                    s => s,
+                };
                 let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
                 let opts = self.opts;
                 let s: &Source = source;
                 let (buffers, report) = detached(py, |poll| {
-                    source::read_tensors(&[s], &wanted, strategy, None, &opts, poll)
+                    source::read_tensors(&[s], &wanted, strategy, dtype, &opts, poll)
                 })?;
                 self.record(&report);
-                buffers.into_iter().map(|(b, _)| b).collect()
+                buffers
             }
         };
         Ok(infos
             .into_iter()
             .zip(buffers)
-            .map(|(t, b)| {
-                (
-                    t.name.clone(),
-                    t.dtype.code(),
-                    t.shape.clone(),
-                    Bytes::new(b),
-                )
-            })
+            .map(|(t, (b, d))| (t.name.clone(), d.code(), t.shape.clone(), Bytes::new(b)))
             .collect())
     }
 }
@@ -304,13 +305,20 @@ impl Handle {
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
         let source = self.source()?;
         let info = source.tensor(name).map_err(to_py)?;
-        let mut out = self.read_infos(py, &source, vec![info])?;
+        let mut out = self.read_infos(py, &source, vec![info], None)?;
         Ok(out.pop().expect("one tensor asked, one read"))
     }
 
-    /// Bytes of the named tensors (all when `names` is None), in file order, read together.
-    #[pyo3(signature = (names=None))]
-    fn read_many(&self, py: Python<'_>, names: Option<Vec<String>>) -> PyResult<Vec<TensorTuple>> {
+    /// Bytes of the named tensors (all when `names` is None), in file order, read together;
+    /// `dtype` ("F32", "F16", "BF16") converts the floating-point ones on the way.
+    #[pyo3(signature = (names=None, dtype=None))]
+    fn read_many(
+        &self,
+        py: Python<'_>,
+        names: Option<Vec<String>>,
+        dtype: Option<&str>,
+    ) -> PyResult<Vec<TensorTuple>> {
+        let dtype = super::checkpoint::parse_dtype(dtype)?;
         let source = self.source()?;
         let infos: Vec<&TensorInfo> = match &names {
             None => source.header.tensors.iter().collect(),
@@ -324,7 +332,7 @@ impl Handle {
                 infos
             }
         };
-        self.read_infos(py, &source, infos)
+        self.read_infos(py, &source, infos, dtype)
     }
 
     /// Reads the data area from `offset` on straight into `dest`, any host tensor or array

@@ -1,0 +1,178 @@
+"""Reading a checkpoint straight into tensors that already exist: ``load_into`` and the direct
+path of ``load_model``.
+
+A model's CPU parameters and buffers are handed to the Rust reader as DLPack (no addresses), and
+the parallel reader writes the file's bytes into them in place, converting F32/F16/BF16 on the
+way: no new memory, one copy, storages unchanged. What cannot take a direct read gets a copy,
+never a wrong value: tensors that are not contiguous, dtype pairs without a converter (the
+tensor is read into new memory and ``copy_`` converts as torch does), tensors on a device (read
+through the device path, then ``copy_``), and tensors that share memory with one another.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from ._frameworks import torch_shape
+from ._open import DEFAULT_BACKEND, Stats, resolve_backend
+from ._safeload import Checkpoint, SafetensorError
+
+#: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
+COPY_BATCH_BYTES = 256 << 20
+
+# torch dtype name -> format code, for the dtypes the reader converts between.
+_FLOAT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def dtype_code(dtype: Any) -> Optional[str]:
+    """The format code of a torch floating dtype the reader converts to ("F32", "F16", "BF16")."""
+    if dtype is None:
+        return None
+    code = _FLOAT_CODES.get(str(dtype).replace("torch.", ""))
+    if code is None:
+        raise SafetensorError(f"dtype {dtype} cannot be converted to on load (F32, F16 or BF16)")
+    return code
+
+
+def stats_of(t: Tuple[str, int, int, int, float, str]) -> Stats:
+    backend, threads, chunk_bytes, nbytes, seconds, storage = t
+    return Stats(backend, threads, chunk_bytes, nbytes, seconds, storage)
+
+
+def _direct(t: Any, code: str, shape: List[int]) -> bool:
+    """Whether the reader can fill ``t`` in place with a tensor of ``code`` and ``shape``."""
+    return (t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse
+            and (str(t.dtype).replace("torch.", "") in _FLOAT_CODES and code in _FLOAT_CODES.values()
+                 or _same_dtype(t, code)))
+
+
+def _same_dtype(t: Any, code: str) -> bool:
+    from ._frameworks import torch_dtype
+
+    try:
+        return t.dtype == torch_dtype(code)
+    except SafetensorError:
+        return False
+
+
+def _overlapping(tensors: Dict[str, Any]) -> set:
+    """Names whose memory overlaps another's (tied weights, views of one buffer)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
+                   for n, t in tensors.items() if t.numel())
+    out = set()
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            out.update((an, bn))
+    return out
+
+
+def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEFAULT_BACKEND,
+              threads: Optional[int] = None, chunk_bytes: Optional[int] = None,
+              drop_cache: bool = False) -> Stats:
+    """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
+    into the given tensor, in place. Every name must be in the checkpoint and every shape must
+    match (checked before anything is read). Returns the read's :class:`Stats`."""
+    from ._checkpoint import resolve
+
+    ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), threads=threads,
+                      chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    try:
+        return _read_into(ckpt, tensors)
+    finally:
+        ckpt.close()
+
+
+def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
+    import torch
+
+    infos = {name: (code, shape) for name, code, shape, _b, _e, _s in ckpt.infos()}
+    for name, t in tensors.items():
+        if name not in infos:
+            raise SafetensorError(f"File does not contain tensor {name}")
+        code, shape = infos[name]
+        if list(t.shape) != list(torch_shape(code, shape)):
+            raise SafetensorError(f"tensor {name}: the checkpoint has shape {shape}, "
+                                  f"the destination {list(t.shape)}")
+    shared = _overlapping({n: t for n, t in tensors.items() if t.device.type == "cpu"})
+    direct = [n for n, t in tensors.items()
+              if n not in shared and _direct(t, *infos[n])]
+    stats = stats_of(ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct]))
+    taken = set(direct)
+    rest = [n for n in tensors if n not in taken]
+    if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
+        from ._frameworks import torch_many
+
+        for batch in ckpt.batches(rest, max_bytes=COPY_BATCH_BYTES):
+            items, more = ckpt.read(batch)
+            with torch.no_grad():
+                for name, t in torch_many(items).items():
+                    tensors[name].copy_(t)
+            stats.bytes_read += more[3]
+            stats.seconds += more[4]
+    return stats
+
+
+def _byte_view(t: Any, code: str) -> Any:
+    """``t`` as the reader takes it: itself (detached) when DLPack describes its dtype and the
+    file's dtype converts to it, else a uint8 view of its bytes (same dtype, e.g. fp8)."""
+    import torch
+
+    t = t.detach()
+    if str(t.dtype).replace("torch.", "") in _FLOAT_CODES:
+        return t
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _custom_loading(model: Any) -> bool:
+    """Whether some module loads its state its own way (hooks, an overridden
+    ``_load_from_state_dict``): then only ``load_state_dict`` itself gives the right result."""
+    import torch
+
+    base = torch.nn.Module._load_from_state_dict
+    for m in model.modules():
+        if type(m)._load_from_state_dict is not base:
+            return True
+        if getattr(m, "_load_state_dict_pre_hooks", None) or getattr(m, "_load_state_dict_post_hooks", None):
+            return True
+    return bool(getattr(model, "_state_dict_pre_hooks", None))
+
+
+def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: str = DEFAULT_BACKEND,
+                    **kwargs: Any) -> Optional[Tuple[Any, List[str]]]:
+    """safetensors' ``load_model`` semantics, reading straight into the model's tensors.
+    Returns (missing, unexpected), or None when the model loads its state its own way (the
+    caller then goes through ``load_state_dict``)."""
+    import torch
+
+    from ._checkpoint import resolve
+    from .torch import _remove_duplicate_names
+
+    if _custom_loading(model):
+        return None
+    state = model.state_dict()
+    ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), **kwargs)
+    try:
+        infos = {name: (code, shape) for name, code, shape, _b, _e, _s in ckpt.infos()}
+        to_removes = _remove_duplicate_names(state, preferred_names=list(infos))
+        removed = {n for group in to_removes.values() for n in group}
+        wanted = {n: t for n, t in state.items() if n in infos and n not in removed}
+        mismatched = [f"size mismatch for {n}: copying a param with shape "
+                      f"{torch.Size(torch_shape(*infos[n]))} from checkpoint, the shape in current "
+                      f"model is {t.shape}." for n, t in wanted.items()
+                      if list(t.shape) != list(torch_shape(*infos[n]))]
+        if mismatched:  # before any read: the model is left untouched
+            raise RuntimeError(f"Error(s) in loading state_dict for {model.__class__.__name__}:\n\t"
+                               + "\n\t".join(mismatched))
+        _read_into(ckpt, wanted)
+    finally:
+        ckpt.close()
+    missing = {n for n in state if n not in infos}
+    unexpected = [n for n in infos if n not in state]
+    for group in to_removes.values():
+        for name in group:
+            if name not in missing:
+                unexpected.append(name)
+            else:
+                missing.remove(name)
+    return missing, unexpected
+
