@@ -267,3 +267,101 @@ mod tests {
         assert!(plan.chunks.iter().all(|c| c.len <= 4096));
     }
 }
+
+/// One fill of a staging buffer (accelerator loads): `reads` are (data offset, length, offset in
+/// the buffer), contiguous spans of the data area read with one call each; `copies` are (tensor
+/// index, offset in the tensor's bytes, offset in the buffer, length), the pieces to copy out to
+/// device tensors once the fill is read. `length` is the buffer bytes used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fill {
+    pub source: usize,
+    pub reads: Vec<(u64, usize, usize)>,
+    pub length: usize,
+    pub copies: Vec<(usize, usize, usize, usize)>,
+}
+
+/// The fills that bring the data-area spans `(begin, end)` of tensors (indexed as given) of one
+/// source through staging buffers of `buffer_bytes`: tensors in offset order, small ones packed
+/// together, large ones split across fills, contiguous tensors sharing one read. Zero-size
+/// tensors need no fill.
+pub fn staging_fills(spans: &[(usize, usize)], buffer_bytes: usize, source: usize) -> Vec<Fill> {
+    let buffer_bytes = buffer_bytes.max(1);
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by_key(|&i| spans[i]);
+    let mut fills = Vec::new();
+    let mut current = Fill {
+        source,
+        reads: Vec::new(),
+        length: 0,
+        copies: Vec::new(),
+    };
+    let flush = |current: &mut Fill, fills: &mut Vec<Fill>| {
+        let done = std::mem::replace(
+            current,
+            Fill {
+                source,
+                reads: Vec::new(),
+                length: 0,
+                copies: Vec::new(),
+            },
+        );
+        if !done.copies.is_empty() {
+            fills.push(done);
+        }
+    };
+    for i in order {
+        let (begin, end) = spans[i];
+        let mut pos = begin;
+        while pos < end {
+            if current.length == buffer_bytes {
+                flush(&mut current, &mut fills);
+            }
+            let take = (end - pos).min(buffer_bytes - current.length);
+            match current.reads.last_mut() {
+                Some((off, len, _)) if *off + *len as u64 == pos as u64 => *len += take,
+                _ => current.reads.push((pos as u64, take, current.length)),
+            }
+            current.copies.push((i, pos - begin, current.length, take));
+            current.length += take;
+            pos += take;
+        }
+    }
+    flush(&mut current, &mut fills);
+    fills
+}
+
+#[cfg(test)]
+mod staging_tests {
+    use super::*;
+
+    #[test]
+    fn fills_pack_split_and_merge() {
+        // a: 0..10, b: 10..30 (contiguous with a), empty at 30, c: 40..45 (a gap).
+        let spans = [(10, 30), (0, 10), (30, 30), (40, 45)];
+        let fills = staging_fills(&spans, 16, 2);
+        assert_eq!(
+            fills,
+            vec![
+                Fill {
+                    source: 2,
+                    reads: vec![(0, 16, 0)],
+                    length: 16,
+                    copies: vec![(1, 0, 0, 10), (0, 0, 10, 6)],
+                },
+                Fill {
+                    source: 2,
+                    reads: vec![(16, 14, 0), (40, 2, 14)],
+                    length: 16,
+                    copies: vec![(0, 6, 0, 14), (3, 0, 14, 2)],
+                },
+                Fill {
+                    source: 2,
+                    reads: vec![(42, 3, 0)],
+                    length: 3,
+                    copies: vec![(3, 2, 0, 3)],
+                },
+            ]
+        );
+        assert!(staging_fills(&[(5, 5)], 16, 0).is_empty());
+    }
+}

@@ -16,11 +16,11 @@ __all__ = [
     "__version__",
     "convert_bytes",
     "deserialize",
-    "read_checkpoint",
     "residency",
     "release_memory",
     "pooled_bytes",
     "serialize",
+    "staging_fills",
     "serialize_file",
 ]
 
@@ -119,16 +119,9 @@ class Checkpoint:
 
 def convert_bytes(data: bytes, from_dtype: str, to_dtype: str) -> bytes: ...
 
-def read_checkpoint(
-    paths: Sequence[Union[str, os.PathLike[str]]],
-    selection: Optional[Sequence[Optional[List[str]]]] = None,
-    *,
-    backend: str = "auto",
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
-    drop_cache: bool = False,
-) -> Tuple[List[List[_TensorTuple]], Tuple[int, float, int, str]]: ...
-
+def staging_fills(
+    spans: Sequence[Tuple[int, int]], buffer_bytes: int, source: int
+) -> List[Tuple[int, List[Tuple[int, int, int]], int, List[Tuple[int, int, int, int]]]]: ...
 def release_memory() -> int: ...
 def pooled_bytes() -> int: ...
 def residency(path: Union[str, os.PathLike[str]]) -> Tuple[Optional[float], str]: ...

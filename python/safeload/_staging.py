@@ -16,7 +16,7 @@ complete (never mmap-backed).
 
 The parts are separate so the scheduling is tested byte for byte without a GPU:
 
-* :func:`plan_spans` (pure): which bytes of the data area go through which fill, and where each
+* :func:`plan_spans` (the Rust planner, `plan::staging_fills`): which bytes of the data area go through which fill, and where each
   piece lands in which tensor;
 * a :class:`Sink` (where bytes go): :class:`CudaSink`, :class:`HostThenToSink`, and
   :class:`CpuSink` (plain memory; can defer its copies until ``wait`` to simulate an
@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import Handle, SafetensorError
+from ._safeload import Handle, SafetensorError, staging_fills
 
 DEFAULT_RING_BUFFERS = 4
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -67,38 +67,17 @@ class Fill(NamedTuple):
 
 
 def plan_spans(infos: Sequence[Info], buffer_bytes: int, source: int = 0) -> List[Fill]:
-    """The fills that bring ``infos``' bytes through staging buffers of ``buffer_bytes``.
-
-    Tensors are taken in offset order; small ones are packed together, large ones split across
-    fills; contiguous tensors share one read. Zero-size tensors need no fill."""
+    """The fills that bring ``infos``' bytes through staging buffers of ``buffer_bytes``, as the
+    Rust planner makes them (``plan::staging_fills``): tensors in offset order, small ones packed
+    together, large ones split across fills, contiguous tensors sharing one read. Zero-size
+    tensors need no fill."""
     if buffer_bytes < 1:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
-    fills: List[Fill] = []
-    reads: List[List[int]] = []
-    copies: List[Tuple[str, int, int, int]] = []
-    used = 0
-
-    def flush() -> None:
-        nonlocal reads, copies, used
-        if copies:
-            fills.append(Fill(source, [(r[0], r[1], r[2]) for r in reads], used, copies))
-        reads, copies, used = [], [], 0
-
-    for name, _code, _shape, begin, end in sorted(infos, key=lambda i: (i[3], i[4])):
-        pos = begin
-        while pos < end:
-            if used == buffer_bytes:
-                flush()
-            take = min(end - pos, buffer_bytes - used)
-            if reads and reads[-1][0] + reads[-1][1] == pos:
-                reads[-1][1] += take
-            else:
-                reads.append([pos, take, used])
-            copies.append((name, pos - begin, used, take))
-            used += take
-            pos += take
-    flush()
-    return fills
+    names = [i[0] for i in infos]
+    planned = staging_fills([(i[3], i[4]) for i in infos], buffer_bytes, source)
+    return [Fill(src, [tuple(r) for r in reads], length,  # type: ignore[misc]
+                 [(names[t], t_off, s_off, n) for t, t_off, s_off, n in copies])
+            for src, reads, length, copies in planned]
 
 
 def parse_ring(text: str) -> Tuple[int, int]:

@@ -29,7 +29,7 @@ from . import _device, _logging
 from ._checkpoint import resolve
 from ._frameworks import to_torch, torch_dtype, torch_shape
 from ._open import Stats, _expand, resolve_backend
-from ._safeload import DEFAULT_CHUNK_BYTES, Handle, SafetensorError, read_checkpoint
+from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, Handle, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
 
@@ -186,21 +186,14 @@ def _check(dist: Any, group: Any, rank: int, error: Optional[BaseException], com
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _read_share(paths: Sequence[str], mine: Sequence[_Entry], backend: str, threads: Optional[int],
-                chunk_bytes: Optional[int], drop_cache: bool) -> Tuple[Dict[str, Any], Tuple[int, float, int, str]]:
-    """Reads this rank's tensors through one worker pool; CPU tensors each owning its memory."""
-    selection: List[Optional[List[str]]] = [[] for _ in paths]
-    for e in mine:
-        selection[e.file].append(e.name)  # type: ignore[union-attr]
+def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Tuple[Dict[str, Any], Tuple[int, float, int, str]]:
+    """Reads this rank's tensors of a round through the checkpoint's one worker pool (shards
+    opened once for the whole load); CPU tensors each owning its memory."""
     if not mine:
-        return {}, (0, 0.0, 0, backend)
-    per_file, counters = read_checkpoint(paths, selection, backend=backend, threads=threads,
-                                         chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-    out = {}
-    for tensors in per_file:
-        for name, code, shape, data in tensors:
-            out[name] = to_torch(code, shape, data, name)
-    return out, counters
+        return {}, (0, 0.0, 0, ckpt.backend)
+    items, (used, threads, _chunk, nbytes, seconds, _storage) = ckpt.read([e.name for e in mine])
+    return {name: to_torch(code, shape, data, name) for name, code, shape, data in items}, \
+        (nbytes, seconds, threads, used)
 
 
 def _flat(t: Any) -> Any:
@@ -390,10 +383,12 @@ def load_checkpoint(
     entries: List[_Entry] = []
     digest = ""
     dev: Any = None
+    ckpt: Any = None
     try:
         dev = _device.torch_device(target)
         paths = resolve(path_or_paths)
         entries = _entries(paths)
+        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         digest = _digest(paths, entries)
     except Exception as exc:  # every rank must learn of it: see _agree
         error = exc
@@ -420,8 +415,7 @@ def load_checkpoint(
     for batch in rounds:
         have: Dict[str, Any] = {}
         try:
-            have, (b, t, n, used_now) = _read_share(paths, [e for e in batch if e.owner == rank], backend,
-                                                threads, chunk_bytes, drop_cache)
+            have, (b, t, n, used_now) = _read_share(ckpt, [e for e in batch if e.owner == rank])
             nbytes, seconds, used_threads = nbytes + b, seconds + t, max(used_threads, n)
             used = used_now if b else used
             error = None
@@ -431,6 +425,8 @@ def load_checkpoint(
         exchange.post(batch, have)
         del have
     out = exchange.finish(entries)
+    if ckpt is not None:
+        ckpt.close()
     if dev != comm:
         out = {k: v.to(dev) for k, v in out.items()}
     state = {e.name: out[e.name] for e in entries if e.name in out}

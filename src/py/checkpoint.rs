@@ -1,6 +1,6 @@
 //! `Checkpoint`: one or many shards opened once, read into new memory or into the caller's
-//! tensors (handed over as DLPack), converting dtypes on the way; and `read_checkpoint`, the
-//! one-call form used by the distributed loader.
+//! tensors (handed over as DLPack), converting dtypes on the way. Every multi-shard consumer
+//! (load_checkpoint, iter_checkpoint, load_model, distributed shares) reads through it.
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -18,8 +18,6 @@ use crate::source::Target;
 
 /// (backend, threads, chunk_bytes, bytes, seconds, storage): one read, as Python's `Stats`.
 type StatsTuple = (&'static str, usize, usize, u64, f64, &'static str);
-/// (bytes, seconds, threads, backend) of one `read_checkpoint`.
-type Counters = (u64, f64, usize, &'static str);
 /// (name, dtype code, shape, begin, end, shard index).
 type InfoTuple = (String, &'static str, Vec<usize>, usize, usize, usize);
 
@@ -199,53 +197,29 @@ impl Checkpoint {
     }
 }
 
-/// Reads every tensor of several files through one worker pool (shards overlap).
-/// `selection` optionally limits each file to some names. Returns one list per file.
+/// (source, reads, length, copies) of one staging fill, copies naming tensors by index.
+type FillTuple = (
+    usize,
+    Vec<(u64, usize, usize)>,
+    usize,
+    Vec<(usize, usize, usize, usize)>,
+);
+
+/// The staging fills for tensors' data-area spans `(begin, end)` of one source (see
+/// `plan::staging_fills`): where accelerator loads plan their reads.
 #[pyfunction]
-#[pyo3(signature = (paths, selection=None, *, backend="auto", threads=None, chunk_bytes=None, drop_cache=false))]
-pub fn read_checkpoint(
-    py: Python<'_>,
-    paths: Vec<PathBuf>,
-    selection: Option<Vec<Option<Vec<String>>>>,
-    backend: &str,
-    threads: Option<usize>,
-    chunk_bytes: Option<usize>,
-    drop_cache: bool,
-) -> PyResult<(Vec<Vec<TensorTuple>>, Counters)> {
-    let backend = parse_backend(backend)?;
-    let opts = options(threads, chunk_bytes, drop_cache);
-    let ckpt = py
-        .detach(|| checkpoint::Checkpoint::open(&paths, backend, opts))
-        .map_err(to_py)?;
-    let mut picked: Vec<Entry<'_>> = Vec::new();
-    for (i, shard) in ckpt.shards.iter().enumerate() {
-        match selection
-            .as_ref()
-            .and_then(|sel| sel.get(i))
-            .and_then(Option::as_ref)
-        {
-            None => picked.extend(shard.header.tensors.iter().map(|t| (i, t))),
-            Some(names) => {
-                let mut infos = names
-                    .iter()
-                    .map(|n| shard.tensor(n).map(|t| (i, t)))
-                    .collect::<Result<Vec<_>, Error>>()
-                    .map_err(to_py)?;
-                infos.sort_by_key(|(_, t)| t.begin);
-                picked.extend(infos);
-            }
-        }
+pub fn staging_fills(
+    spans: Vec<(usize, usize)>,
+    buffer_bytes: usize,
+    source: usize,
+) -> PyResult<Vec<FillTuple>> {
+    if buffer_bytes < 1 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "buffer_bytes must be positive, got {buffer_bytes}"
+        )));
     }
-    let c = &ckpt;
-    let (read, s) = detached(py, |poll| c.read(&picked, None, poll))?;
-    let mut out: Vec<Vec<TensorTuple>> = (0..ckpt.shards.len()).map(|_| Vec::new()).collect();
-    for ((file, t), (bytes, dtype)) in picked.iter().zip(read) {
-        out[*file].push((
-            t.name.clone(),
-            dtype.code(),
-            t.shape.clone(),
-            Bytes::new(bytes),
-        ));
-    }
-    Ok((out, (s.bytes, s.seconds, s.threads, s.backend.name())))
+    Ok(crate::plan::staging_fills(&spans, buffer_bytes, source)
+        .into_iter()
+        .map(|f| (f.source, f.reads, f.length, f.copies))
+        .collect())
 }

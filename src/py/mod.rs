@@ -37,8 +37,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handle::Handle>()?;
     m.add_class::<write::TensorSpec>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
-    m.add_function(wrap_pyfunction!(checkpoint::read_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::staging_fills, m)?)?;
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
