@@ -170,7 +170,11 @@ impl Checkpoint {
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
         let strategy = match self.strategy() {
-            Strategy::Mmap => Strategy::Pread, // into existing memory: copy from the cache
+            // Into existing memory, from a local file: a copy from the page cache when warm;
+            // cold, uncached reads, which keep the disk's queue full where buffered reads wait
+            // on readahead a window at a time (measured: README, "Reading into a model").
+            Strategy::Mmap if self.shards.first().is_some_and(Source::is_cold) => Strategy::Direct,
+            Strategy::Mmap => Strategy::Pread,
             s => s,
         };
         let refs: Vec<&Source> = self.shards.iter().collect();

@@ -103,6 +103,12 @@ impl Source {
         }
     }
 
+    /// Whether less than half of the data is in the page cache (sampled; unknown counts as warm).
+    pub fn is_cold(&self) -> bool {
+        storage::cached_fraction(&self.file, self.header.data_start(), self.header.data_len())
+            .is_some_and(|f| f < storage::COLD_BELOW)
+    }
+
     /// The file opened to read around the page cache, or None where that is refused.
     fn direct_file(&self) -> Option<&Uncached> {
         self.direct

@@ -165,31 +165,22 @@ def _same(a: Any, b: Any) -> bool:
 
 def verify_file(path: str, threads: Optional[int] = None) -> str:
     """Verifies one file; returns its ``OK ...`` line, raises on any failure."""
-    from ._safeload import Handle, SafetensorError
+    from ._safeload import Checkpoint, Handle, SafetensorError
 
     if os.path.isdir(path):
         raise SafetensorError("is a directory")
-    primary = Handle(path, "pread", threads=threads)
+    primary = Checkpoint([path], "pread", threads=threads)
     mirror = Handle(path, "mmap")
     try:
-        infos = primary.infos()
+        infos = [i[:5] for i in primary.infos()]
         names = [n for n, *_ in infos]
         if mirror.offset_keys() != names or mirror.infos() != infos:
             raise SafetensorError("pread and mmap handles disagree on the header")
-        batch: List[str] = []
-        size = 0
-        batches: List[List[str]] = []
-        for name, _code, _shape, begin, end in infos:
-            batch.append(name)
-            size += end - begin
-            if size >= VERIFY_BATCH_BYTES:
-                batches.append(batch)
-                batch, size = [], 0
-        if batch:
-            batches.append(batch)
-        total = 0
-        for names_ in batches:
-            for name, code, shape, data in primary.read_many(names_):
+        total, nbytes, seconds = 0, 0, 0.0
+        for batch in primary.batches(max_bytes=VERIFY_BATCH_BYTES):
+            items, (backend, _threads, _chunk, read, took, _storage) = primary.read(batch)
+            nbytes, seconds = nbytes + read, seconds + took
+            for name, code, shape, data in items:
                 _, m_code, m_shape, m_data = mirror.read(name)
                 if (m_code, list(m_shape)) != (code, list(shape)):
                     raise SafetensorError(f"tensor {name!r}: pread and mmap disagree on dtype/shape")
@@ -197,7 +188,7 @@ def verify_file(path: str, threads: Optional[int] = None) -> str:
                     raise SafetensorError(f"tensor {name!r}: pread and mmap bytes differ")
                 total += len(data)
                 del data, m_data
-        nbytes, seconds, _threads, _ = primary.stats()
+            del items
         backend = primary.backend
     finally:
         primary.close()
