@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._frameworks import torch_shape
-from ._open import DEFAULT_BACKEND, Stats, resolve_backend
+from ._open import DEFAULT_BACKEND, resolve_backend
+from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
 
 #: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
@@ -35,8 +36,7 @@ def dtype_code(dtype: Any) -> Optional[str]:
 
 
 def stats_of(t: Tuple[str, int, int, int, float, str]) -> Stats:
-    backend, threads, chunk_bytes, nbytes, seconds, storage = t
-    return Stats(backend, threads, chunk_bytes, nbytes, seconds, storage)
+    return Stats.from_rust(t)
 
 
 def _direct(t: Any, code: str, shape: List[int]) -> bool:

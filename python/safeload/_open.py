@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
+from ._stats import Stats
 
 DEFAULT_BACKEND = "auto"
 #: Environment variable that replaces the default backend ("auto") for every load.
@@ -26,29 +27,6 @@ def resolve_backend(backend: Any, device: str = "cpu") -> str:
     if backend == DEFAULT_BACKEND and device != "cpu":
         return "pread"
     return backend
-
-
-class Stats:
-    """What a handle's reads did: ``backend``, ``threads``, ``chunk_bytes``, ``bytes_read``,
-    ``seconds`` (time spent reading), ``storage`` (filesystem kind)."""
-
-    __slots__ = ("backend", "threads", "chunk_bytes", "bytes_read", "seconds", "storage")
-
-    def __init__(self, backend: str, threads: int, chunk_bytes: int, bytes_read: int, seconds: float, storage: str) -> None:
-        self.backend = backend
-        self.threads = threads
-        self.chunk_bytes = chunk_bytes
-        self.bytes_read = bytes_read
-        self.seconds = seconds
-        self.storage = storage
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
-        return f"Stats({fields})"
 
 
 def _framework(framework: Any) -> str:

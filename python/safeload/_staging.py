@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
 from ._safeload import Handle, SafetensorError, staging_fills
+from ._stats import Stats
 
 DEFAULT_RING_BUFFERS = 4
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -549,7 +550,6 @@ def load_checkpoint_to_device(
 ) -> Tuple[Dict[str, Any], Any]:
     """``load_checkpoint`` to a device: every shard through one staging ring. Returns the state
     dict and a :class:`safeload._open.Stats`."""
-    from ._open import Stats
     from ._safeload import DEFAULT_CHUNK_BYTES
 
     out = load_to_device(paths, target, progress=progress, threads=threads,

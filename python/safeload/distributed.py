@@ -290,24 +290,17 @@ class _Exchange:
         return self.out
 
 
-def _rounds(entries: Sequence[_Entry], world: int) -> List[List[_Entry]]:
-    """Round k holds batch k (at most BATCH_BYTES, whole tensors, offset order) of every rank."""
-    per_rank: List[List[List[_Entry]]] = [[] for _ in range(world)]
-    size = [0] * world
-    for e in entries:
-        if e.nbytes == 0:
-            continue
-        batches = per_rank[e.owner]
-        if not batches or (size[e.owner] + e.nbytes > BATCH_BYTES and batches[-1]):
-            batches.append([])
-            size[e.owner] = 0
-        batches[-1].append(e)
-        size[e.owner] += e.nbytes
-    count = max((len(b) for b in per_rank), default=0)
+def _rounds(entries: Sequence[_Entry], world: int, ckpt: Any) -> List[List[_Entry]]:
+    """Round k holds batch k of every rank: the checkpoint's own batching (at most BATCH_BYTES,
+    whole tensors, file order) of each rank's share."""
+    per_rank = []
+    for rank in range(world):
+        names = [e.name for e in entries if e.owner == rank and e.nbytes]
+        per_rank.append(ckpt.batches(names, max_bytes=BATCH_BYTES) if names else [])
     rounds: List[List[_Entry]] = []
-    for k in range(count):
-        chosen = {id(e) for b in per_rank if k < len(b) for e in b[k]}
-        rounds.append([e for e in entries if id(e) in chosen])
+    for k in range(max((len(b) for b in per_rank), default=0)):
+        chosen = {name for batches in per_rank if k < len(batches) for name in batches[k]}
+        rounds.append([e for e in entries if e.name in chosen])
     return rounds
 
 
@@ -405,7 +398,7 @@ def load_checkpoint(
         preset = [e.needing[0] if len(e.needing) == 1 else -1 for e in entries]
         for e, o in zip(entries, assign_owners([e.nbytes for e in entries], world, preset)):
             e.owner = o
-        rounds = _rounds(entries, world)
+        rounds = _rounds(entries, world, ckpt)
         error = None
     except Exception as exc:
         error = exc

@@ -1,0 +1,35 @@
+"""``Stats``: what a read did, as the Rust reader reports it (``ReadStats``): backend, workers,
+request size, bytes, seconds, storage. Its own module so that every reader (``_open``,
+``_checkpoint``, ``_staging``, ``distributed``) imports it without importing each other."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+
+class Stats:
+    """What a handle's reads did: ``backend``, ``threads``, ``chunk_bytes``, ``bytes_read``,
+    ``seconds`` (time spent reading), ``storage`` (filesystem kind)."""
+
+    __slots__ = ("backend", "threads", "chunk_bytes", "bytes_read", "seconds", "storage")
+
+    def __init__(self, backend: str, threads: int, chunk_bytes: int, bytes_read: int, seconds: float, storage: str) -> None:
+        self.backend = backend
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self.bytes_read = bytes_read
+        self.seconds = seconds
+        self.storage = storage
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"Stats({fields})"
+
+    @classmethod
+    def from_rust(cls, t: Tuple[str, int, int, int, float, str]) -> "Stats":
+        """From a ``Checkpoint`` read's (backend, threads, chunk_bytes, bytes, seconds, storage)."""
+        return cls(*t)
