@@ -270,9 +270,9 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
 
     def staged_read():
         for i, fill in enumerate(fills):
-            base = ring_bufs[i % n].data_ptr()
+            buf = ring_bufs[i % n]
             for offset, length, at in fill.reads:
-                handle.read_into(base + at, offset, length)
+                handle.read_into(buf[at : at + length], offset)
 
     t_read_ring = timed(staged_read, rounds, lambda: None)
     handle.close()

@@ -188,7 +188,7 @@ def _measure(path: str, states: List[str], tiny: bool) -> Dict[str, Dict[str, Di
             if state == "warm":
                 sl_bench._prewarm([path])
             order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[: r % len(CONTENDERS)]  # rotate per round
-            runs = [{"path": path, "contender": c, "cold": state == "cold", "again": c == "sl_default"} for c in order]
+            runs = [{"path": path, "contender": c, "cold": state == "cold", "again": c in ("sl_default", "sl_pread")} for c in order]
             for res in _children(runs, tiny):
                 raw.setdefault(state, {}).setdefault(res["contender"], []).append(res)
     out: Dict[str, Dict[str, Dict[str, Any]]] = {}
@@ -234,6 +234,9 @@ def _report(name: str, size: int, res: Dict[str, Dict[str, Dict[str, Any]]], lin
         row(f"{state}: pread vs fresh-memory limit ({LIMIT_THREADS} threads x 8 MiB preads)",
             _ratio(by["limit"]["seconds"], by["sl_pread"]["seconds"]), 0.9 if state == "warm" else None)
         row(f"{state}: second load vs first, same process (default)", _ratio(sl["seconds"], sl.get("second_seconds")),
+            None)
+        pr = by["sl_pread"]  # owned memory: the second load reuses the first one's freed pages
+        row(f"{state}: second load vs first, same process (pread)", _ratio(pr["seconds"], pr.get("second_seconds")),
             2.0 if state == "warm" else None)
     return ratios
 
