@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
@@ -94,15 +93,11 @@ def load_checkpoint(
             paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
             progress=callback)
     elif progress is not None and dtype is None:
-        started = time.perf_counter()
         callback = _progress_callback(progress)
-        stream = _stream(paths, convert, None, backend, threads, chunk_bytes, drop_cache, callback)
-        total = 0
-        for name, tensor, nbytes in stream:
+        stats = Stats(backend, 0, chunk_bytes or DEFAULT_CHUNK_BYTES, 0, 0.0, "")
+        for name, tensor, _ in _stream(paths, convert, None, backend, threads, chunk_bytes,
+                                       drop_cache, callback, stats):
             _add(out, name, tensor)
-            total += nbytes
-        stats = Stats(backend, threads or 0, chunk_bytes or DEFAULT_CHUNK_BYTES, total,
-                      time.perf_counter() - started, "")
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
         from ._into import dtype_code, stats_of
 
@@ -186,10 +181,12 @@ def _stream(
     chunk_bytes: Optional[int],
     drop_cache: bool,
     progress: Optional[Progress],
+    stats: Optional[Stats] = None,
 ) -> Iterator[Tuple[str, Any, int]]:
     """Batches of the checkpoint in file order, opened once: the next batch is read (GIL
     released) while the caller uses the current one, so each holds at most half of
-    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own)."""
+    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own). The reader's
+    stats of every batch are added to ``stats`` when given."""
     from concurrent.futures import ThreadPoolExecutor
 
     ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
@@ -203,7 +200,9 @@ def _stream(
             ahead = pool.submit(ckpt.read, batches[0]) if batches else None
             for i in range(len(batches)):
                 assert ahead is not None
-                items, _ = ahead.result()
+                items, counters = ahead.result()
+                if stats is not None:
+                    stats.add(Stats.from_rust(counters))
                 ahead = pool.submit(ckpt.read, batches[i + 1]) if i + 1 < len(batches) else None
                 for name, code, shape, data in items:
                     yield name, convert(name, code, shape, data), len(data)

@@ -33,3 +33,13 @@ class Stats:
     def from_rust(cls, t: Tuple[str, int, int, int, float, str]) -> "Stats":
         """From a ``Checkpoint`` read's (backend, threads, chunk_bytes, bytes, seconds, storage)."""
         return cls(*t)
+
+    def add(self, other: "Stats") -> "Stats":
+        """Totals over several reads: bytes and seconds add up; the most workers any read used;
+        the backend, request size and storage of the latest read that moved bytes."""
+        if other.bytes_read or not self.bytes_read:
+            self.backend, self.chunk_bytes, self.storage = other.backend, other.chunk_bytes, other.storage
+        self.bytes_read += other.bytes_read
+        self.seconds += other.seconds
+        self.threads = max(self.threads, other.threads)
+        return self

@@ -186,14 +186,15 @@ def _check(dist: Any, group: Any, rank: int, error: Optional[BaseException], com
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Tuple[Dict[str, Any], Tuple[int, float, int, str]]:
+def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Tuple[Dict[str, Any], Stats]:
     """Reads this rank's tensors of a round through the checkpoint's one worker pool (shards
-    opened once for the whole load); CPU tensors each owning its memory."""
+    opened once for the whole load); CPU tensors each owning its memory. Returns the reader's
+    own stats of the read."""
     if not mine:
-        return {}, (0, 0.0, 0, ckpt.backend)
-    items, (used, threads, _chunk, nbytes, seconds, _storage) = ckpt.read([e.name for e in mine])
+        return {}, Stats(ckpt.backend, 0, 0, 0, 0.0, "")
+    items, counters = ckpt.read([e.name for e in mine])
     return {name: to_torch(code, shape, data, name) for name, code, shape, data in items}, \
-        (nbytes, seconds, threads, used)
+        Stats.from_rust(counters)
 
 
 def _flat(t: Any) -> Any:
@@ -404,13 +405,12 @@ def load_checkpoint(
         error = exc
     _check(dist, group, rank, error, comm, "load_checkpoint (planning)")
     exchange = _Exchange(dist, group, rank, comm)
-    nbytes, seconds, used_threads, used = 0, 0.0, 0, backend
+    stats = Stats(backend, 0, chunk_bytes or DEFAULT_CHUNK_BYTES, 0, 0.0, "")
     for batch in rounds:
         have: Dict[str, Any] = {}
         try:
-            have, (b, t, n, used_now) = _read_share(ckpt, [e for e in batch if e.owner == rank])
-            nbytes, seconds, used_threads = nbytes + b, seconds + t, max(used_threads, n)
-            used = used_now if b else used
+            have, read = _read_share(ckpt, [e for e in batch if e.owner == rank])
+            stats.add(read)
             error = None
         except Exception as exc:
             error = exc
@@ -423,7 +423,6 @@ def load_checkpoint(
     if dev != comm:
         out = {k: v.to(dev) for k, v in out.items()}
     state = {e.name: out[e.name] for e in entries if e.name in out}
-    stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
     _logging.log_read(paths, stats, f"load_checkpoint(rank {rank}/{world}, {time.perf_counter() - started:.3f}s)")
     return (state, stats) if return_stats else state
 
