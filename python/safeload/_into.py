@@ -168,6 +168,13 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
         ckpt.close()
     missing = {n for n in state if n not in infos}
     unexpected = [n for n in infos if n not in state]
+    return account_removed(to_removes, missing, unexpected)
+
+
+def account_removed(to_removes: Dict[str, List[str]], missing: set,
+                    unexpected: List[str]) -> Tuple[set, List[str]]:
+    """safetensors' bookkeeping of names dropped as duplicates of shared memory: expected
+    missing ones are not missing, present ones are unexpected."""
     for group in to_removes.values():
         for name in group:
             if name not in missing:

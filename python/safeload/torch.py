@@ -282,13 +282,7 @@ def load_model(
         model_state_dict = model.state_dict()
         to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
         missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
-        missing = set(missing_list)
-        for group in to_removes.values():
-            for name in group:
-                if name not in missing:
-                    unexpected.append(name)
-                else:
-                    missing.remove(name)
+        missing, unexpected = _into.account_removed(to_removes, set(missing_list), unexpected)
     if strict and (missing or unexpected):
         missing_keys = ", ".join(f'"{k}"' for k in sorted(missing))
         unexpected_keys = ", ".join(f'"{k}"' for k in sorted(unexpected))
