@@ -4,14 +4,14 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
-use crate::buffer::TensorBytes;
 use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
-use crate::source::{self, ReadOptions, Source, Target};
-use crate::storage::{Backend, Strategy};
+use crate::source::{self, ReadOptions, Source, Target, Tensors};
+use crate::storage::{self, Backend, Strategy};
 
 /// What one read did: the backend that ran, its workers and request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,6 +33,8 @@ pub struct Checkpoint {
     index: HashMap<String, (usize, usize)>,
     backend: Backend,
     opts: ReadOptions,
+    /// The first shard's resolution of `backend` and the residency measured for it: probed once.
+    resolved: OnceLock<(Strategy, Option<f64>)>,
 }
 
 impl Checkpoint {
@@ -60,6 +62,7 @@ impl Checkpoint {
             index,
             backend,
             opts,
+            resolved: OnceLock::new(),
         })
     }
 
@@ -112,11 +115,18 @@ impl Checkpoint {
         out
     }
 
-    /// How this checkpoint is read: the first shard's resolution of the backend stands for all.
+    /// How this checkpoint is read: the first shard's resolution of the backend stands for all,
+    /// resolved at the first call.
     pub fn strategy(&self) -> Strategy {
-        self.shards
-            .first()
-            .map_or(Strategy::Pread, |s| s.resolve(self.backend))
+        self.resolution().0
+    }
+
+    fn resolution(&self) -> (Strategy, Option<f64>) {
+        *self.resolved.get_or_init(|| {
+            self.shards.first().map_or((Strategy::Pread, None), |s| {
+                s.resolve_measured(self.backend)
+            })
+        })
     }
 
     fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
@@ -143,22 +153,10 @@ impl Checkpoint {
         selection: &[Entry<'_>],
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(Vec<(TensorBytes, Dtype)>, ReadStats)> {
-        let mut strategy = self.strategy();
-        let converts = dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d));
-        if strategy == Strategy::Mmap && converts {
-            strategy = Strategy::Pread; // a map cannot change dtypes
-        }
-        if strategy == Strategy::Mmap {
-            let views = selection
-                .iter()
-                .map(|(s, t)| Ok((self.shards[*s].map_tensor(t)?, t.dtype)))
-                .collect::<Result<Vec<_>>>()?;
-            return Ok((views, self.stats(strategy, &Report::default())));
-        }
+    ) -> Result<(Tensors, ReadStats)> {
         let refs: Vec<&Source> = self.shards.iter().collect();
-        let (out, report) =
-            source::read_tensors(&refs, selection, strategy, dtype, &self.opts, poll)?;
+        let (out, report, strategy) =
+            source::read_or_map(&refs, selection, self.strategy(), dtype, &self.opts, poll)?;
         Ok((out, self.stats(strategy, &report)))
     }
 
@@ -169,13 +167,13 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let strategy = match self.strategy() {
+        let strategy = match self.resolution() {
             // Into existing memory, from a local file: a copy from the page cache when warm;
             // cold, uncached reads, which keep the disk's queue full where buffered reads wait
             // on readahead a window at a time (measured: README, "Reading into a model").
-            Strategy::Mmap if self.shards.first().is_some_and(Source::is_cold) => Strategy::Direct,
-            Strategy::Mmap => Strategy::Pread,
-            s => s,
+            (Strategy::Mmap, Some(cached)) if cached < storage::COLD_BELOW => Strategy::Direct,
+            (Strategy::Mmap, _) => Strategy::Pread,
+            (s, _) => s,
         };
         let refs: Vec<&Source> = self.shards.iter().collect();
         let report = source::read_targets(&refs, targets, strategy, &self.opts, poll)?;

@@ -75,7 +75,6 @@ impl<'a> Files<'a> {
 /// One worker's resources: its files, its bounce buffer for aligned uncached reads and its
 /// scratch buffer for chunks that convert.
 struct Worker<'a> {
-    inputs: &'a [Input<'a>],
     files: Files<'a>,
     bounce: Option<Storage>,
     scratch: Vec<u8>,
@@ -85,7 +84,6 @@ struct Worker<'a> {
 impl<'a> Worker<'a> {
     fn new(inputs: &'a [Input<'a>], own_fds: bool, direct_refused: &'a AtomicBool) -> Self {
         Worker {
-            inputs,
             files: Files {
                 inputs,
                 own_fds,
@@ -98,7 +96,7 @@ impl<'a> Worker<'a> {
     }
 
     fn read(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<()> {
-        let input = &self.inputs[chunk.file];
+        let input = &self.files.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
         let direct = input
             .direct

@@ -66,15 +66,6 @@ pub struct Chunk {
     pub segments: std::ops::Range<usize>,
 }
 
-impl Chunk {
-    /// Whether any segment of the chunk converts (then it is read through a scratch buffer).
-    pub fn converts(&self, plan: &Plan<'_>) -> bool {
-        plan.segments[self.segments.clone()]
-            .iter()
-            .any(|s| s.transform != Transform::Copy)
-    }
-}
-
 /// Chunks in the order workers claim them (file order, then offset order), writing into
 /// destinations borrowed for `'d`.
 #[derive(Debug, Default)]
@@ -130,10 +121,9 @@ impl<'d> Plan<'d> {
         to: Dtype,
         name: &str,
     ) {
-        assert!(crate::convert::supported(from, to), "{from:?} -> {to:?}");
-        let (src_size, dst_size) = (from.bits() / 8, to.bits() / 8);
-        assert_eq!(dest.len() % dst_size, 0, "destination of whole elements");
-        let len = dest.len() / dst_size * src_size;
+        // The file bytes behind `dest`: the conversion's size rule run backwards.
+        let len = crate::convert::converted_len(to, from, dest.len())
+            .unwrap_or_else(|e| panic!("destination of tensor {name}: {e}"));
         let transform = if from == to {
             Transform::Copy
         } else {

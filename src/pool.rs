@@ -158,15 +158,18 @@ impl Drop for Mapping {
             evicted.into_iter().for_each(Mapping::unmap);
             return;
         }
-        // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
-        unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };
-        self.capacity = 0;
+        self.release();
     }
 }
 
 impl Mapping {
     /// Gives the memory back to the OS, bypassing the pool.
     fn unmap(mut self) {
+        self.release();
+    }
+
+    /// Unmaps the memory now; the mapping is empty afterwards (its drop does nothing).
+    fn release(&mut self) {
         if self.capacity > 0 {
             // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
             unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };

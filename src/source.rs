@@ -82,31 +82,32 @@ impl Source {
     /// The strategy a backend request means for this file ("auto" looks at the filesystem and
     /// at how much of the data is in the page cache).
     pub fn resolve(&self, backend: Backend) -> Strategy {
+        self.resolve_measured(backend).0
+    }
+
+    /// [`Source::resolve`], with the page-cache residency "auto" measured for it (None when it
+    /// was not measured or cannot be told), so a caller can reuse the one probe.
+    pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
         match backend {
-            Backend::Mmap => Strategy::Mmap,
-            Backend::Pread => Strategy::Pread,
-            Backend::Direct => Strategy::Direct,
+            Backend::Mmap => (Strategy::Mmap, None),
+            Backend::Pread => (Strategy::Pread, None),
+            Backend::Direct => (Strategy::Direct, None),
             Backend::Auto => {
                 let cached = storage::cached_fraction(
                     &self.file,
                     self.header.data_start(),
                     self.header.data_len(),
                 );
-                storage::choose(
+                let strategy = storage::choose(
                     self.kind,
                     cached,
                     self.header.data_len(),
                     storage::direct_above(),
                     storage::auto_may_map(),
-                )
+                );
+                (strategy, cached)
             }
         }
-    }
-
-    /// Whether less than half of the data is in the page cache (sampled; unknown counts as warm).
-    pub fn is_cold(&self) -> bool {
-        storage::cached_fraction(&self.file, self.header.data_start(), self.header.data_len())
-            .is_some_and(|f| f < storage::COLD_BELOW)
     }
 
     /// The file opened to read around the page cache, or None where that is refused.
@@ -331,16 +332,13 @@ pub struct Target<'s, 'd> {
     pub dest: &'d mut [u8],
 }
 
-/// Bytes a tensor takes as `dtype`: its size in the file when the dtype is its own, else its
-/// element count times the size of `dtype`. None when it cannot be converted to `dtype`.
+/// Bytes a tensor takes as `dtype`: its size in the file when the dtype is its own, else what
+/// [`crate::convert`] turns it into. None when it cannot be converted to `dtype`.
 pub fn bytes_as(info: &TensorInfo, dtype: Dtype) -> Option<usize> {
     if dtype == info.dtype {
         return Some(info.nbytes());
     }
-    if !crate::convert::supported(info.dtype, dtype) {
-        return None;
-    }
-    Some(info.nbytes() / (info.dtype.bits() / 8) * (dtype.bits() / 8))
+    crate::convert::converted_len(info.dtype, dtype, info.nbytes()).ok()
 }
 
 /// Reads every target with one worker pool, in (source, offset) order, with `strategy` (Pread
@@ -398,7 +396,7 @@ pub fn read_tensors(
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Vec<(TensorBytes, Dtype)>, Report)> {
+) -> Result<(Tensors, Report)> {
     let dtypes: Vec<Dtype> = wanted
         .iter()
         .map(|(_, t)| match dtype {
@@ -433,4 +431,39 @@ pub fn read_tensors(
         .zip(dtypes)
         .collect();
     Ok((out, report))
+}
+
+/// What a read of several tensors gives: each one's bytes and the dtype they hold.
+pub type Tensors = Vec<(TensorBytes, Dtype)>;
+
+/// Tensors of one or more sources as `strategy` gives them: views of each file's map for
+/// `Mmap` (zero copy), unless `dtype` converts some of them (a map cannot change dtypes: then the
+/// parallel reader, as for `Pread`/`Direct`). Returns the bytes and dtype of each, the read's
+/// report (empty for maps) and the strategy that ran.
+pub fn read_or_map(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    strategy: Strategy,
+    dtype: Option<Dtype>,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<(Tensors, Report, Strategy)> {
+    let converts = dtype.is_some_and(|d| wanted.iter().any(|(_, t)| t.dtype != d));
+    match strategy {
+        Strategy::Mmap if !converts => {
+            let views = wanted
+                .iter()
+                .map(|(s, t)| Ok((sources[*s].map_tensor(t)?, t.dtype)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((views, Report::default(), Strategy::Mmap))
+        }
+        Strategy::Mmap => {
+            let (out, report) = read_tensors(sources, wanted, Strategy::Pread, dtype, opts, poll)?;
+            Ok((out, report, Strategy::Pread))
+        }
+        strategy => {
+            let (out, report) = read_tensors(sources, wanted, strategy, dtype, opts, poll)?;
+            Ok((out, report, strategy))
+        }
+    }
 }

@@ -39,10 +39,7 @@ pub(super) fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
     .transpose()
 }
 
-fn tuples(
-    entries: &[Entry<'_>],
-    read: Vec<(crate::buffer::TensorBytes, Dtype)>,
-) -> Vec<TensorTuple> {
+fn tuples(entries: &[Entry<'_>], read: crate::source::Tensors) -> Vec<TensorTuple> {
     entries
         .iter()
         .zip(read)

@@ -105,29 +105,15 @@ impl Handle {
         infos: Vec<&TensorInfo>,
         dtype: Option<Dtype>,
     ) -> PyResult<Vec<TensorTuple>> {
-        let converts = dtype.is_some_and(|d| infos.iter().any(|t| t.dtype != d));
-        let buffers = match self.strategy() {
-            // A map cannot change dtypes: reads that convert go through the parallel reader.
-            Strategy::Mmap if !converts => infos
-                .iter()
-                .map(|t| Ok((source.map_tensor(t)?, t.dtype)))
-                .collect::<Result<Vec<_>, Error>>()
-                .map_err(to_py)?,
-            strategy => {
-                let strategy = match strategy {
-                    Strategy::Mmap => Strategy::Pread,
-                    s => s,
-                };
-                let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
-                let opts = self.opts;
-                let s: &Source = source;
-                let (buffers, report) = detached(py, |poll| {
-                    source::read_tensors(&[s], &wanted, strategy, dtype, &opts, poll)
-                })?;
-                self.record(&report);
-                buffers
-            }
-        };
+        let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
+        let (opts, strategy) = (self.opts, self.strategy());
+        let s: &Source = source;
+        let (buffers, report, ran) = detached(py, |poll| {
+            source::read_or_map(&[s], &wanted, strategy, dtype, &opts, poll)
+        })?;
+        if ran != Strategy::Mmap {
+            self.record(&report);
+        }
         Ok(infos
             .into_iter()
             .zip(buffers)
