@@ -99,7 +99,7 @@ def load_checkpoint(
                                        drop_cache, callback, stats):
             _add(out, name, tensor)
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
-        from ._into import dtype_code, stats_of
+        from ._into import dtype_code
 
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         try:
@@ -108,7 +108,7 @@ def load_checkpoint(
             ckpt.close()
         for name, code, shape, data in items:
             out[name] = convert(name, code, shape, data)
-        stats = stats_of(counters)
+        stats = Stats.from_rust(counters)
     _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
 

@@ -25,24 +25,25 @@ COPY_BATCH_BYTES = 256 << 20
 _FLOAT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
+def _float_code(dtype: Any) -> Optional[str]:
+    """"F32", "F16" or "BF16" for the torch dtypes the reader converts between, else None."""
+    return _FLOAT_CODES.get(str(dtype).replace("torch.", ""))
+
+
 def dtype_code(dtype: Any) -> Optional[str]:
     """The format code of a torch floating dtype the reader converts to ("F32", "F16", "BF16")."""
     if dtype is None:
         return None
-    code = _FLOAT_CODES.get(str(dtype).replace("torch.", ""))
+    code = _float_code(dtype)
     if code is None:
         raise SafetensorError(f"dtype {dtype} cannot be converted to on load (F32, F16 or BF16)")
     return code
 
 
-def stats_of(t: Tuple[str, int, int, int, float, str]) -> Stats:
-    return Stats.from_rust(t)
-
-
 def _direct(t: Any, code: str, shape: List[int]) -> bool:
     """Whether the reader can fill ``t`` in place with a tensor of ``code`` and ``shape``."""
     return (t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse
-            and (str(t.dtype).replace("torch.", "") in _FLOAT_CODES and code in _FLOAT_CODES.values()
+            and (_float_code(t.dtype) is not None and code in _FLOAT_CODES.values()
                  or _same_dtype(t, code)))
 
 
@@ -96,7 +97,7 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
     shared = _overlapping({n: t for n, t in tensors.items() if t.device.type == "cpu"})
     direct = [n for n, t in tensors.items()
               if n not in shared and _direct(t, *infos[n])]
-    stats = stats_of(ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct]))
+    stats = Stats.from_rust(ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct]))
     taken = set(direct)
     rest = [n for n in tensors if n not in taken]
     if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
@@ -118,7 +119,7 @@ def _byte_view(t: Any, code: str) -> Any:
     import torch
 
     t = t.detach()
-    if str(t.dtype).replace("torch.", "") in _FLOAT_CODES:
+    if _float_code(t.dtype) is not None:
         return t
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
