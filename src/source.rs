@@ -389,7 +389,7 @@ pub fn read_targets(
 /// Reads tensors of one or more sources into new memory with one worker pool; `dtype` converts
 /// the F32/F16/BF16 ones (others keep theirs). Returns buffers in the order of `wanted`, each
 /// with the dtype it holds.
-pub fn read_tensors(
+fn read_tensors(
     sources: &[&Source],
     wanted: &[(usize, &TensorInfo)],
     strategy: Strategy,
