@@ -86,6 +86,13 @@ CONTENDERS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "st_get_tensor_loop": ("safetensors pread: get_tensor(k) for k in keys()", "all", _ALL),
     "st_mmap_clone": ("safetensors mmap: get_tensor(k).clone()", "all", _ALL),
     "st_load_file": ("safetensors.torch.load_file(backend='pread') per shard", "sharded", _ALL),
+    "st_loop": ("safetensors default backend: get_tensor(k) for k in keys() (vLLM, ltx-core)", "all", _ALL),
+    "st_slices": ("safetensors backend='mmap': get_slice(k) for every key, then [...] from 4 threads (transformers 5)",
+                  "all", _ALL),
+    "sl_loop": ("safeload default backend: get_tensor(k) for k in keys()", "all", _ALL),
+    "sl_loop_pread": ("safeload pread: get_tensor(k) for k in keys()", "all", _ALL),
+    "sl_slices": ("safeload backend='mmap' (what patched transformers passes): get_slice, then [...] from 4 threads",
+                  "all", _ALL),
     "sl_get_tensors": ("safeload safe_open(backend='pread').get_tensors()", "all", _ALL),
     "sl_auto": ("safeload safe_open(backend='auto').get_tensors() (backend chosen per file)", "all", _ALL),
     "sl_mmap_clone": ("safeload mmap: get_tensor(k).clone()", "all", _ALL),
@@ -290,6 +297,30 @@ def _loader(name: str, spec: Dict[str, Any], meta: Dict[str, Any]) -> Callable[[
             out: Dict[str, Any] = {}
             for f in files:
                 out.update(safetensors.torch.load_file(f, backend="pread"))
+            return out
+    elif name in ("st_loop", "sl_loop", "sl_loop_pread"):
+        opener = safetensors.safe_open if name == "st_loop" else safeload.safe_open
+        kwargs = {"backend": "pread"} if name == "sl_loop_pread" else {}
+
+        def run() -> Dict[str, Any]:
+            out: Dict[str, Any] = {}
+            for f in files:
+                with opener(f, "pt", **kwargs) as h:
+                    for k in h.keys():
+                        out[k] = h.get_tensor(k)
+            return out
+    elif name in ("st_slices", "sl_slices"):
+        opener = safetensors.safe_open if name == "st_slices" else safeload.safe_open
+
+        def run() -> Dict[str, Any]:
+            from concurrent.futures import ThreadPoolExecutor
+
+            out: Dict[str, Any] = {}
+            for f in files:
+                with opener(f, "pt", backend="mmap") as h:
+                    slices = {k: h.get_slice(k) for k in h.keys()}
+                    with ThreadPoolExecutor(4) as pool:
+                        out.update(zip(slices, pool.map(lambda s: s[...], slices.values())))
             return out
     elif name == "sl_get_tensors":
         def run() -> Dict[str, Any]:

@@ -107,6 +107,11 @@ impl Header {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
 
+    /// Position of tensor `name` in [`Header::tensors`] (file order).
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
     /// Names sorted as `keys()` returns them.
     pub fn sorted_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();

@@ -89,10 +89,13 @@ impl Source {
     /// was not measured or cannot be told), so a caller can reuse the one probe.
     pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
         match backend {
-            Backend::Mmap => (Strategy::Mmap, None),
+            // Never a map on a network filesystem, even when asked for one: every fault would be
+            // a small remote read, and a file that shrinks under a map kills the process. The
+            // network reader gives the same tensors.
+            Backend::Mmap if !matches!(self.kind, FsKind::Network(_)) => (Strategy::Mmap, None),
             Backend::Pread => (Strategy::Pread, None),
             Backend::Direct => (Strategy::Direct, None),
-            Backend::Auto => {
+            Backend::Auto | Backend::Mmap => {
                 let cached = storage::cached_fraction(
                     &self.file,
                     self.header.data_start(),
@@ -183,14 +186,15 @@ impl Source {
         }
     }
 
-    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer.
+    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer; returns it and the
+    /// read's report (the bytes read from the file, gathered spans included).
     pub fn read_slice(
         &self,
         info: &TensorInfo,
         plan: &SlicePlan,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<TensorBytes> {
+    ) -> Result<(TensorBytes, Report)> {
         let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
             .pop()
@@ -212,20 +216,21 @@ impl Source {
                 }
             }
         }
-        engine::execute(
+        let mut report = engine::execute(
             &[self.input(Strategy::Pread)],
             &direct,
             settings(&[self], opts),
             poll,
         )?;
         drop(direct);
-        self.gather_small(info, &mut small)?;
-        Ok(out.into_shared())
+        report.bytes += self.gather_small(info, &mut small)?;
+        Ok((out.into_shared(), report))
     }
 
     /// Reads small runs (file offset, destination), in file order, a span of neighbours at a
-    /// time into a scratch buffer, and copies each run out.
-    fn gather_small(&self, info: &TensorInfo, runs: &mut [(u64, &mut [u8])]) -> Result<()> {
+    /// time into a scratch buffer, and copies each run out; returns the bytes read.
+    fn gather_small(&self, info: &TensorInfo, runs: &mut [(u64, &mut [u8])]) -> Result<u64> {
+        let mut read = 0u64;
         let mut scratch = Vec::new();
         let mut i = 0;
         while i < runs.len() {
@@ -257,9 +262,10 @@ impl Source {
                 let from = (*at - start) as usize;
                 dest.copy_from_slice(&scratch[from..from + dest.len()]);
             }
+            read += scratch.len() as u64;
             i = end_run + 1;
         }
-        Ok(())
+        Ok(read)
     }
 }
 
@@ -271,6 +277,12 @@ pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
         .find(|k| matches!(k, FsKind::Network(_)));
     opts.chunk_bytes
         .unwrap_or_else(|| storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)))
+}
+
+/// The workers a read of these sources runs: the caller's count, else one suited to the slowest
+/// filesystem.
+pub fn threads(sources: &[&Source], opts: &ReadOptions) -> usize {
+    settings(sources, opts).threads
 }
 
 fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {

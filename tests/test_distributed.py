@@ -240,10 +240,13 @@ def test_slice_plan_reads_only_its_ranges(ranks: Any) -> None:
     world, _, results = ranks
     for r, res in enumerate(results):
         assert res["plan_keys"] and res["plan_equal"] and res["plan_group_equal"], f"rank {r}"
-        assert res["plan_bytes"] >= res["plan_out_bytes"]
-        # head.bias (2 KiB) whole, plus 1/world of each big tensor
-        assert res["plan_bytes"] <= res["plan_out_bytes"] + 4096, res
-        assert res["plan_bytes"] < res["plan_full_bytes"] / world + 8192, res
+        # What the handle's reads recorded (slices too), never less than the slices hold.
+        assert res["plan_bytes"] >= res["plan_out_bytes"], res
+        # head.bias (2 KiB) whole; big.rows: exactly its 1/world of rows; big.cols: its column
+        # runs lie 1 KiB/world apart, closer than the reader's gather gap (16 KiB), so their span
+        # is read in one piece: at most the whole tensor. Never the other tensors.
+        whole = 256 * 256 * 4
+        assert res["plan_bytes"] <= 2048 + whole / world + whole, res
 
 
 def test_selection_and_ranks_needing(ranks: Any) -> None:
@@ -291,8 +294,11 @@ def test_plan_without_group_is_local(checkpoint: Dict[str, Any]) -> None:
     import safeload.torch as sl_torch
 
     ref = _reference(checkpoint["files"])
-    got, stats = sl_torch.load_checkpoint(checkpoint["files"], plan={"head.weight": (slice(10, 20), slice(None, None, 2))},
-                                          return_stats=True)
+    plan = {"head.weight": (slice(10, 20), slice(None, None, 2))}
+    got = sl_torch.load_checkpoint(checkpoint["files"], plan=plan)  # default backend (a map here)
+    assert torch.equal(got["head.weight"], ref["head.weight"][10:20, ::2])
+    # The parallel reader records what it reads: ten whole rows (a step within a row is cut out).
+    got, stats = sl_torch.load_checkpoint(checkpoint["files"], plan=plan, backend="pread", return_stats=True)
     assert torch.equal(got["head.weight"], ref["head.weight"][10:20, ::2])
     assert 0 < stats.bytes_read <= 10 * 256 * 4
     with pytest.raises(Exception, match="does not have"):

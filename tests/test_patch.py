@@ -313,6 +313,16 @@ def _mu_names(mu: types.ModuleType) -> Dict[str, Any]:
     return {n: v for n, v in vars(mu).items() if any(v is o for o in ORIG.values())}
 
 
+def _same_weights(plain: Any, patched: Any, saved: Dict[str, Any]) -> None:
+    """The model loaded through safeload has the stock load's weights, and the saved ones."""
+    a, b = plain.state_dict(), patched.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        if k in saved:
+            assert torch.equal(b[k], saved[k]), k
+
+
 def test_transformers_from_pretrained(tiny_bert, handle_spy):
     transformers, path, saved = tiny_bert
     mu = sys.modules["transformers.modeling_utils"]
@@ -334,12 +344,7 @@ def test_transformers_from_pretrained(tiny_bert, handle_spy):
     for name, original in imported.items():
         assert getattr(mu, name) is original, name
     assert mu.safe_open is ORIG["safe_open"]
-    a, b = plain.state_dict(), patched.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-        if k in saved:
-            assert torch.equal(b[k], saved[k]), k
+    _same_weights(plain, patched, saved)
 
 
 def test_transformers_forced_backend(tiny_bert, handle_spy):
@@ -350,3 +355,33 @@ def test_transformers_forced_backend(tiny_bert, handle_spy):
     for k, v in model.state_dict().items():
         if k in saved:
             assert torch.equal(v, saved[k]), k
+
+
+def test_transformers_hf_mount_goes_through_safeload(tiny_bert, handle_spy, tmp_path):
+    """On a FUSE mount named hf-mount transformers skips safe_open and reads each shard with one
+    ``read()``; patched, its mount check says no (safeload never maps network mounts) and the
+    shards go through safeload's reader; unpatch() restores the check."""
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    import slowfs
+
+    if slowfs.fuse_unavailable():
+        pytest.skip(slowfs.fuse_unavailable())
+    transformers, path, saved = tiny_bert
+    mu = sys.modules["transformers.modeling_utils"]
+    check = mu._is_on_hf_mount
+    with slowfs.mounted(path, str(tmp_path / "mnt"), "--fsname", "hf-mount", "--latency", "0.0005") as m:
+        shard = os.path.join(m, "model.safetensors")
+        assert check(shard), "transformers does not take the slowfs mount for hf-mount"
+        plain = transformers.BertModel.from_pretrained(m)
+        assert handle_spy == []
+
+        safeload.patch()
+        assert mu._is_on_hf_mount is not check and not mu._is_on_hf_mount(shard)
+        patched = transformers.BertModel.from_pretrained(m)
+        assert handle_spy, "the hf-mount shard did not go through safe_open"
+        with safeload.safe_open(shard, "pt", backend="mmap") as f:
+            assert f.backend in ("direct", "pread")  # what transformers' "mmap" gets there
+        safeload.unpatch()
+
+        assert mu._is_on_hf_mount is check and check(shard)
+    _same_weights(plain, patched, saved)

@@ -440,21 +440,18 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
         for p in paths:
             if not wanted:
                 break
-            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+            # The plan says which bytes are wanted: nothing is read ahead.
+            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache, readahead=False)
             try:
                 here = [n for n in h.offset_keys() if n in wanted]
-                sliced = 0
                 for name in here:
                     index = wanted.pop(name)
                     code, shape = h.info(name)
                     key = (Ellipsis,) if index is None else index
                     rcode, rshape, data = h.read_slice(name, _expand(key, len(shape)))
                     out[name] = to_torch(rcode, rshape, data, name)
-                    sliced += len(data)
-                b, _, t, _ = h.stats()
-                # The handle's counters, where its slice reads record them; else the bytes the
-                # slices hold (what the byte ranges read amount to, small gaps aside).
-                nbytes += b or sliced
+                b, _, t, _ = h.stats()  # every read, whole tensors and slices, records its bytes
+                nbytes += b
                 used, used_threads = h.backend, max(used_threads, t)
             finally:
                 h.close()

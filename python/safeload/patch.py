@@ -9,8 +9,9 @@
         model = transformers.AutoModel.from_pretrained(path)
 
 What is replaced: ``safetensors.safe_open``, ``safetensors.torch.load_file`` / ``load`` /
-``load_model`` and ``safetensors.numpy.load_file``, *and every other module attribute that is one
-of those objects*: names that other modules already imported (``from safetensors import
+``load_model``, ``safetensors.numpy.load_file`` and transformers' hf-mount check
+(``transformers.modeling_utils._is_on_hf_mount``, which would make transformers read a whole shard
+with one ``read()``), *and every other module attribute that is one of those objects*: names that other modules already imported (``from safetensors import
 safe_open`` in ``transformers.modeling_utils``, say) are found by scanning ``sys.modules`` for
 identity and replaced too; each ``(module, name, original)`` is remembered so that
 :func:`unpatch` puts back exactly the object that was there. ``safetensors.torch`` and
@@ -61,6 +62,9 @@ _TARGETS: Dict[str, Tuple[str, ...]] = {
     "safetensors": ("safe_open",),
     "safetensors.torch": ("load_file", "load", "load_model"),
     "safetensors.numpy": ("load_file",),
+    # transformers reads a whole shard with one read() on hf-mount (to avoid mapping it); patched,
+    # safe_open reads network mounts with safeload's reader and never maps them.
+    "transformers.modeling_utils": ("_is_on_hf_mount",),
 }
 
 _lock = threading.RLock()
@@ -99,6 +103,18 @@ def _make(key: str, original: Any) -> Any:
         safe_open.__module__ = __name__  # repr: <class 'safeload.patch.safe_open'>
         safe_open.__qualname__ = "safe_open"
         return safe_open
+
+    if key == "transformers.modeling_utils._is_on_hf_mount":
+
+        def _is_on_hf_mount(path: Any) -> bool:
+            """Patched by safeload: never True, so transformers opens hf-mount shards with
+            ``safe_open`` (safeload's, which reads network mounts with its parallel reader and never
+            maps them) instead of one ``read()`` of the whole file."""
+            return False
+
+        functools.update_wrapper(_is_on_hf_mount, original, assigned=("__module__", "__name__", "__qualname__"),
+                                 updated=())
+        return _is_on_hf_mount
 
     if key.startswith("safetensors.torch."):
         from . import torch as impl

@@ -1,7 +1,7 @@
 //! `Handle`: one open file, as the Python `safe_open` uses it.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -14,6 +14,7 @@ use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::Error;
 use crate::header::TensorInfo;
+use crate::readahead::{self, Mode, ReadAhead};
 use crate::slice::{self, Index};
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::{Backend, Strategy};
@@ -57,6 +58,9 @@ pub struct Handle {
     strategy: RwLock<Option<Strategy>>,
     opts: ReadOptions,
     totals: Mutex<Totals>,
+    /// Read-ahead for tensors pulled one at a time, shared with this handle's shares (slices);
+    /// made at the first such read, None when `SAFELOAD_READAHEAD_BYTES=0`.
+    ahead: Arc<OnceLock<Option<ReadAhead>>>,
 }
 
 /// (name, dtype code, shape, bytes): what Python turns into a tensor.
@@ -96,6 +100,44 @@ impl Handle {
         if report.direct_refused {
             *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(Strategy::Pread);
         }
+    }
+
+    fn ahead(&self, source: &Arc<Source>) -> Option<&ReadAhead> {
+        self.ahead
+            .get_or_init(|| {
+                let budget = readahead::budget_from_env();
+                let mode = Mode::for_strategy(self.strategy());
+                (budget > 0).then(|| ReadAhead::new(source.clone(), mode, self.opts, budget))
+            })
+            .as_ref()
+    }
+
+    /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,
+    /// else read now (a view of the map under mmap). `start` lets this request start the
+    /// read-ahead (whole-tensor requests do; sub-slices only use what it already holds).
+    fn whole(
+        &self,
+        py: Python<'_>,
+        source: &Arc<Source>,
+        info: &TensorInfo,
+    ) -> PyResult<TensorTuple> {
+        let index = source
+            .header
+            .index_of(&info.name)
+            .expect("info comes from this header");
+        if let Some(ahead) = self.ahead(source) {
+            let taken = detached(py, |poll| ahead.take(index, true, poll))?;
+            if let Some(bytes) = taken {
+                return Ok((
+                    info.name.clone(),
+                    info.dtype.code(),
+                    info.shape.clone(),
+                    Bytes::new(bytes),
+                ));
+            }
+        }
+        let mut out = self.read_infos(py, source, vec![info], None)?;
+        Ok(out.pop().expect("one tensor asked, one read"))
     }
 
     fn read_infos(
@@ -146,8 +188,10 @@ fn parse_indices(indices: &Bound<'_, PyAny>) -> PyResult<Vec<Index>> {
 
 #[pymethods]
 impl Handle {
+    /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
+    /// whole-tensor reads then never read ahead.
     #[new]
-    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false))]
+    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -155,6 +199,7 @@ impl Handle {
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
         drop_cache: bool,
+        readahead: bool,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
         let source = py.detach(|| Source::open(&path)).map_err(to_py)?;
@@ -164,6 +209,11 @@ impl Handle {
             strategy: RwLock::new(None),
             opts: options(threads, chunk_bytes, drop_cache),
             totals: Mutex::new(Totals::default()),
+            ahead: Arc::new(if readahead {
+                OnceLock::new()
+            } else {
+                OnceLock::from(None)
+            }),
         })
     }
 
@@ -182,7 +232,26 @@ impl Handle {
     /// Totals of the reads made so far: bytes, seconds, threads of the last read, reads.
     fn stats(&self) -> (u64, f64, usize, u64) {
         let t = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        (t.bytes, t.seconds, t.threads, t.reads)
+        let ahead = match self.ahead.get() {
+            Some(Some(a)) => a.totals(),
+            _ => readahead::Totals::default(),
+        };
+        (
+            t.bytes + ahead.bytes_read,
+            t.seconds + ahead.seconds,
+            t.threads,
+            t.reads,
+        )
+    }
+
+    /// Bytes the read-ahead holds for tensors not asked for yet (owned memory, or page cache
+    /// under mmap).
+    #[getter]
+    fn readahead_bytes(&self) -> u64 {
+        match self.ahead.get() {
+            Some(Some(a)) => a.held_bytes(),
+            _ => 0,
+        }
     }
 
     #[getter]
@@ -212,11 +281,19 @@ impl Handle {
             strategy: RwLock::new(Some(self.strategy())),
             opts: self.opts,
             totals: Mutex::new(Totals::default()),
+            ahead: self.ahead.clone(),
         })
     }
 
+    /// Closes this handle; the read-ahead stops (and frees what it read) once no share of it
+    /// (a slice) is left either.
     fn close(&self) {
         *self.source.write().unwrap_or_else(|p| p.into_inner()) = None;
+        if Arc::strong_count(&self.ahead) == 1
+            && let Some(Some(ahead)) = self.ahead.get()
+        {
+            ahead.stop();
+        }
     }
 
     fn keys(&self) -> PyResult<Vec<String>> {
@@ -291,8 +368,7 @@ impl Handle {
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
         let source = self.source()?;
         let info = source.tensor(name).map_err(to_py)?;
-        let mut out = self.read_infos(py, &source, vec![info], None)?;
-        Ok(out.pop().expect("one tensor asked, one read"))
+        self.whole(py, &source, info)
     }
 
     /// Bytes of the named tensors (all when `names` is None), in file order, read together;
@@ -318,7 +394,16 @@ impl Handle {
                 infos
             }
         };
-        self.read_infos(py, &source, infos, dtype)
+        let out = self.read_infos(py, &source, infos, dtype)?;
+        // Views of a map: the page cache is filled ahead of the caller's touches, in file order.
+        if names.is_none()
+            && self.strategy() == Strategy::Mmap
+            && let Some(ahead) = self.ahead(&source)
+            && ahead.mode() == Mode::PageCache
+        {
+            ahead.want_all();
+        }
+        Ok(out)
     }
 
     /// Reads the data area from `offset` on straight into `dest`, any host tensor or array
@@ -350,24 +435,49 @@ impl Handle {
         let info = source.tensor(name).map_err(to_py)?;
         let indices = parse_indices(indices)?;
         let plan = slice::plan(info.dtype, &info.shape, &indices).map_err(to_py)?;
-        let bytes = match self.strategy() {
-            Strategy::Mmap => {
+        if plan.shape == info.shape && plan.nbytes == info.nbytes() {
+            // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
+            // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
+            let (_, code, shape, bytes) = self.whole(py, &source, info)?;
+            return Ok((code, shape, bytes));
+        }
+        // Part of a tensor the read-ahead already holds: cut from its bytes.
+        let held = match self.ahead.get() {
+            Some(Some(ahead)) if ahead.mode() != Mode::PageCache => {
+                let index = source.header.index_of(name).expect("found above");
+                detached(py, |poll| ahead.take(index, false, poll))?
+            }
+            _ => None,
+        };
+        let bytes = match (held, self.strategy()) {
+            (Some(whole), _) => gather(&plan, &whole)?,
+            (None, Strategy::Mmap) => {
                 let whole = source.map_tensor(info).map_err(to_py)?;
-                let mut out = crate::buffer::allocate(&[plan.nbytes])
-                    .map_err(|e| to_py(Error::Serialize(format!("out of memory: {e}"))))?
-                    .pop()
-                    .expect("one size, one buffer");
-                slice::gather(&plan, whole.as_slice(), out.as_mut_slice());
-                out.into_shared()
+                gather(&plan, &whole)?
             }
             _ => {
                 let opts = self.opts;
                 let s: &Source = &source;
-                detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?
+                let (bytes, report) = detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?;
+                self.record(&report);
+                bytes
             }
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
+}
+
+/// The elements of `plan` cut out of a whole tensor's bytes, into new memory.
+fn gather(
+    plan: &slice::SlicePlan,
+    whole: &crate::buffer::TensorBytes,
+) -> PyResult<crate::buffer::TensorBytes> {
+    let mut out = crate::buffer::allocate(&[plan.nbytes])
+        .map_err(|e| to_py(Error::Serialize(format!("out of memory: {e}"))))?
+        .pop()
+        .expect("one size, one buffer");
+    slice::gather(plan, whole.as_slice(), out.as_mut_slice());
+    Ok(out.into_shared())
 }
 
 /// Fraction of a file's bytes in the page cache (sampled with mincore), and its filesystem kind.

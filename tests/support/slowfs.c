@@ -43,6 +43,8 @@
  *   --keep-cache             FOPEN_KEEP_CACHE: keep the file's page cache across opens (default:
  *                            the kernel drops it on every open, so a fresh open reads cold).
  *   --threads N              most worker threads (256); --clone-fd: one /dev/fuse fd per worker.
+ *   --fsname NAME            the mount's source name in /proc/mounts (default slowfs); `hf-mount`
+ *                            makes it what transformers takes for an hf-mount FUSE mount.
  *   --debug                  libfuse's debug log on stderr.
  *
  * A hidden file /.slowfs-stats (not listed by readdir) reads as one line of counters,
@@ -83,7 +85,8 @@ static struct {
 	int short_reads, no_direct, direct_io, keep_cache, no_async_dio, clone_fd, debug;
 	long long max_background, congestion_threshold, max_read, max_pages, max_readahead;
 	int threads;
-} opt = { .max_background = -1, .congestion_threshold = -1, .max_pages = -1, .max_readahead = -1,
+	const char *fsname;
+} opt = { .fsname = "slowfs",  .max_background = -1, .congestion_threshold = -1, .max_pages = -1, .max_readahead = -1,
           .threads = 256 };
 
 static struct {
@@ -390,6 +393,7 @@ int main(int argc, char **argv)
 		else if (strcmp(a, "--keep-cache") == 0) opt.keep_cache = 1;
 		else if (strcmp(a, "--threads") == 0) opt.threads = (int)parse_int(ARG(), a);
 		else if (strcmp(a, "--clone-fd") == 0) opt.clone_fd = 1;
+		else if (strcmp(a, "--fsname") == 0) opt.fsname = ARG();
 		else if (strcmp(a, "--debug") == 0) opt.debug = 1;
 		else if (a[0] == '-' && a[1] != '\0') { fprintf(stderr, "slowfs: unknown option %s\n", a); usage(); }
 		else if (npos < 2) pos[npos++] = a;
@@ -401,7 +405,8 @@ int main(int argc, char **argv)
 	if (strcmp(opt.root, "/") == 0) opt.root[0] = '\0';
 
 	char mount_opts[256];
-	int n = snprintf(mount_opts, sizeof mount_opts, "ro,fsname=slowfs,subtype=slowfs");
+	if (strpbrk(opt.fsname, ", \t\n") || !*opt.fsname) { fprintf(stderr, "slowfs: bad --fsname\n"); return 2; }
+	int n = snprintf(mount_opts, sizeof mount_opts, "ro,fsname=%s,subtype=slowfs", opt.fsname);
 	if (opt.max_read > 0)
 		snprintf(mount_opts + n, sizeof mount_opts - n, ",max_read=%lld", opt.max_read);
 	char *fargv[] = { argv[0], "-o", mount_opts, opt.debug ? "-d" : NULL, NULL };

@@ -1,0 +1,656 @@
+//! Read-ahead for tensors pulled one at a time (`get_tensor` loops, `get_slice(k)[...]` from
+//! several threads, in any order): background workers read the file's tensors in file order with
+//! the parallel engine, within a memory budget, and hand each one over when it is asked for.
+//!
+//! - Owned memory (`pread`, `direct`): each tensor is read into memory it will own, as a demand
+//!   read would; [`ReadAhead::take`] hands those bytes over (no copy). A tensor asked for before
+//!   the read-ahead reached it is read by the caller (the demand path) and skipped here.
+//! - Page cache (`mmap`): the map's views need no read; the workers ask the OS to read the
+//!   tensors' pages ahead of the touches ([`platform::prefetch`]), in file order.
+//!
+//! The window: at most `min(budget, max(64 MiB, bytes taken so far))` of tensors read ahead and
+//! not yet taken, so one `get_tensor` costs at most 64 MiB of extra reads, a loop's window grows
+//! as it goes, and a tensor nobody asks for costs at most its share of the budget (its memory is
+//! released with the handle). [`ReadAhead::want_all`] lifts the window (every tensor was asked).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::buffer::TensorBytes;
+use crate::engine;
+use crate::error::{Error, Result};
+use crate::header::TensorInfo;
+use crate::platform;
+use crate::source::{self, ReadOptions, Source};
+use crate::storage::Strategy;
+
+/// Default budget of owned read-ahead memory (`SAFELOAD_READAHEAD_BYTES`; 0 turns it off).
+pub const DEFAULT_BUDGET: u64 = 256 << 20;
+/// Maps read ahead into the page cache, which the OS can reclaim: this many times the budget.
+const PAGE_CACHE_FACTOR: u64 = 4;
+/// The window before anything was taken.
+const FIRST_WINDOW: u64 = 64 << 20;
+/// Page-cache hints are given this many bytes at a time.
+const PREFETCH_BYTES: u64 = 16 << 20;
+/// How often a waiting caller polls for cancellation.
+const WAIT: Duration = Duration::from_millis(20);
+
+/// The read-ahead budget from `SAFELOAD_READAHEAD_BYTES` (bytes, or `256MiB`-style), else
+/// [`DEFAULT_BUDGET`]. 0 turns read-ahead off.
+pub fn budget_from_env() -> u64 {
+    std::env::var("SAFELOAD_READAHEAD_BYTES")
+        .ok()
+        .and_then(|v| parse_bytes(&v))
+        .unwrap_or(DEFAULT_BUDGET)
+}
+
+/// `"1073741824"`, `"1GiB"`, `"512MiB"`, `"64KiB"`, `"2GB"` ... as bytes.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let number: f64 = number.parse().ok()?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return None,
+    };
+    (number >= 0.0).then_some((number * scale as f64) as u64)
+}
+
+/// Where read-ahead puts the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Owned buffers, read with this strategy (`Pread` or `Direct`).
+    Owned(Strategy),
+    /// The page cache, for a mapped file.
+    PageCache,
+}
+
+impl Mode {
+    /// The read-ahead for a handle reading with `strategy`.
+    pub fn for_strategy(strategy: Strategy) -> Mode {
+        match strategy {
+            Strategy::Mmap => Mode::PageCache,
+            owned => Mode::Owned(owned),
+        }
+    }
+}
+
+enum Slot {
+    /// Not read yet; the read-ahead may claim it.
+    Idle,
+    /// Claimed by a read-ahead worker.
+    Reading,
+    /// Read ahead, waiting to be taken (None: in the page cache).
+    Ready(Option<TensorBytes>),
+    /// Taken, or left to the caller's own read.
+    Done,
+}
+
+struct State {
+    slots: Vec<Slot>,
+    /// The read-ahead walks tensors from `start` to the end, then from the first to `start`.
+    start: usize,
+    /// Positions of that walk already claimed or passed.
+    scanned: usize,
+    /// Bytes claimed or read ahead and not yet taken.
+    held: u64,
+    /// Bytes asked for so far (taken or read by callers): the window grows with it.
+    taken: u64,
+    want_all: bool,
+    started: bool,
+    /// Totals of the read-ahead's own reads.
+    bytes_read: u64,
+    seconds: f64,
+    direct_refused: bool,
+}
+
+struct Shared {
+    source: Arc<Source>,
+    mode: Mode,
+    opts: ReadOptions,
+    budget: u64,
+    stop: AtomicBool,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// What the read-ahead did, for a handle's stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Totals {
+    pub bytes_read: u64,
+    pub seconds: f64,
+    pub direct_refused: bool,
+}
+
+/// Read-ahead over one open file; stops (and frees what was not taken) when dropped or
+/// [`ReadAhead::stop`]ped.
+pub struct ReadAhead {
+    shared: Arc<Shared>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl ReadAhead {
+    /// Read-ahead for `source` in `mode` with at most `budget` bytes of owned memory held
+    /// (page cache: [`PAGE_CACHE_FACTOR`] times it). Starts nothing until the first request.
+    pub fn new(source: Arc<Source>, mode: Mode, opts: ReadOptions, budget: u64) -> ReadAhead {
+        let n = source.header.tensors.len();
+        let budget = match mode {
+            Mode::PageCache => budget.saturating_mul(PAGE_CACHE_FACTOR),
+            Mode::Owned(_) => budget,
+        };
+        let state = State {
+            slots: (0..n).map(|_| Slot::Idle).collect(),
+            start: 0,
+            scanned: 0,
+            held: 0,
+            taken: 0,
+            want_all: false,
+            started: false,
+            bytes_read: 0,
+            seconds: 0.0,
+            direct_refused: false,
+        };
+        ReadAhead {
+            shared: Arc::new(Shared {
+                source,
+                mode,
+                opts,
+                budget,
+                stop: AtomicBool::new(false),
+                state: Mutex::new(state),
+                cv: Condvar::new(),
+            }),
+            workers: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.shared.mode
+    }
+
+    /// Tensor `index` (of the header's file-order table) for a caller that wants it whole:
+    /// its read-ahead bytes when they are ready (waiting while a worker reads them), or None:
+    /// then the caller reads it itself (and page-cache mode always returns None: map it). The
+    /// first request starts the read-ahead from this tensor on, when `start` is set.
+    pub fn take(
+        &self,
+        index: usize,
+        start: bool,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<Option<TensorBytes>> {
+        let shared = &*self.shared;
+        let mut state = shared.lock();
+        if start && !state.started {
+            state.start = index;
+            self.spawn(&mut state);
+        }
+        loop {
+            let size = shared.source.header.tensors[index].nbytes() as u64;
+            match &mut state.slots[index] {
+                Slot::Ready(bytes) => {
+                    let bytes = bytes.take();
+                    state.slots[index] = Slot::Done;
+                    state.held -= size;
+                    state.taken += size;
+                    shared.cv.notify_all();
+                    return Ok(bytes);
+                }
+                Slot::Reading if self.owned() => {
+                    let (next, _) = shared
+                        .cv
+                        .wait_timeout(state, WAIT)
+                        .unwrap_or_else(|p| p.into_inner());
+                    state = next;
+                    if poll() {
+                        return Err(Error::Cancelled);
+                    }
+                }
+                Slot::Reading => {
+                    // Pages being read into the cache: the map's faults wait for them.
+                    state.taken += size;
+                    return Ok(None);
+                }
+                Slot::Idle => {
+                    state.slots[index] = Slot::Done;
+                    state.taken += size;
+                    shared.cv.notify_all();
+                    return Ok(None);
+                }
+                Slot::Done => return Ok(None),
+            }
+        }
+    }
+
+    fn owned(&self) -> bool {
+        matches!(self.shared.mode, Mode::Owned(_))
+    }
+
+    /// Every tensor was asked for (a `get_tensors()` on a map): read ahead through the whole
+    /// file, whatever the window.
+    pub fn want_all(&self) {
+        let mut state = self.shared.lock();
+        state.want_all = true;
+        if !state.started {
+            state.start = 0;
+            self.spawn(&mut state);
+        }
+        self.shared.cv.notify_all();
+    }
+
+    /// What the read-ahead has read so far.
+    pub fn totals(&self) -> Totals {
+        let state = self.shared.lock();
+        Totals {
+            bytes_read: state.bytes_read,
+            seconds: state.seconds,
+            direct_refused: state.direct_refused,
+        }
+    }
+
+    /// Bytes read ahead and not taken yet (owned memory or page cache).
+    pub fn held_bytes(&self) -> u64 {
+        self.shared.lock().held
+    }
+
+    /// Stops the workers (a read in flight is cancelled) and frees what was not taken.
+    pub fn stop(&self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.cv.notify_all();
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in workers {
+            let _ = w.join();
+        }
+        let mut state = self.shared.lock();
+        for slot in state.slots.iter_mut() {
+            if matches!(slot, Slot::Ready(_)) {
+                *slot = Slot::Done;
+            }
+        }
+        state.held = 0;
+    }
+
+    /// Waits for the workers to finish the walk (tests: after [`ReadAhead::want_all`], when
+    /// the window cannot stall them).
+    #[cfg(test)]
+    fn finish(&self) {
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in workers {
+            w.join().unwrap();
+        }
+    }
+
+    fn spawn(&self, state: &mut MutexGuard<'_, State>) {
+        state.started = true;
+        let count = match self.shared.mode {
+            // Two batches in flight, so one's tail overlaps the next one's start.
+            Mode::Owned(_) => 2,
+            Mode::PageCache => 1,
+        };
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        for _ in 0..count {
+            let shared = self.shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name("safeload-readahead".into())
+                .spawn(move || shared.work());
+            // Without a thread there is no read-ahead: every request reads on demand.
+            if let Ok(handle) = spawned {
+                workers.push(handle);
+            }
+        }
+    }
+}
+
+impl Drop for ReadAhead {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn window(&self, state: &State) -> u64 {
+        if state.want_all {
+            return u64::MAX;
+        }
+        self.budget.min(FIRST_WINDOW.max(state.taken))
+    }
+
+    /// The most bytes one batch claims.
+    fn batch_limit(&self) -> u64 {
+        match self.mode {
+            Mode::PageCache => 4 * PREFETCH_BYTES,
+            Mode::Owned(_) => {
+                let chunk = source::chunk_bytes(&[&*self.source], &self.opts) as u64;
+                let threads = source::threads(&[&*self.source], &self.opts) as u64;
+                (2 * chunk * threads).max(32 << 20)
+            }
+        }
+    }
+
+    /// Claims the next tensors of the walk that fit the window; None when the window is full or
+    /// the walk is over (`state.scanned` says which).
+    fn claim(&self, state: &mut State) -> Option<Vec<usize>> {
+        let n = state.slots.len();
+        let (window, limit) = (self.window(state), self.batch_limit());
+        let mut batch = Vec::new();
+        let mut bytes = 0u64;
+        while state.scanned < n {
+            let i = (state.start + state.scanned) % n;
+            if !matches!(state.slots[i], Slot::Idle) {
+                state.scanned += 1;
+                continue;
+            }
+            let size = self.source.header.tensors[i].nbytes() as u64;
+            let fits_window = state.held + bytes + size <= window;
+            // One tensor larger than the window is read alone once nothing else is held.
+            let alone = batch.is_empty() && state.held == 0;
+            if !batch.is_empty() && (bytes + size > limit || !fits_window) {
+                break;
+            }
+            if batch.is_empty() && !fits_window && !alone {
+                break;
+            }
+            state.slots[i] = Slot::Reading;
+            state.scanned += 1;
+            batch.push(i);
+            bytes += size;
+            // A wrap back to the first tensor starts a new batch (keeps batches in file order).
+            if (state.start + state.scanned).is_multiple_of(n) {
+                break;
+            }
+        }
+        state.held += bytes;
+        (!batch.is_empty()).then_some(batch)
+    }
+
+    /// A worker: claims batches in file order and reads them until the walk is over or stopped.
+    fn work(&self) {
+        loop {
+            let batch = {
+                let mut state = self.lock();
+                loop {
+                    if self.stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if let Some(batch) = self.claim(&mut state) {
+                        break batch;
+                    }
+                    if state.scanned >= state.slots.len() {
+                        return;
+                    }
+                    state = self
+                        .cv
+                        .wait_timeout(state, WAIT)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            };
+            let infos: Vec<&TensorInfo> = batch
+                .iter()
+                .map(|&i| &self.source.header.tensors[i])
+                .collect();
+            let read = self.read(&infos);
+            let mut state = self.lock();
+            match read {
+                Ok((buffers, report)) => {
+                    state.bytes_read += report.bytes;
+                    state.seconds += report.seconds;
+                    state.direct_refused |= report.direct_refused;
+                    for (&i, bytes) in batch.iter().zip(buffers) {
+                        if matches!(state.slots[i], Slot::Reading) {
+                            state.slots[i] = Slot::Ready(bytes);
+                        }
+                    }
+                }
+                // Failed or cancelled: the callers read these themselves and get the error.
+                Err(_) => {
+                    for &i in &batch {
+                        if matches!(state.slots[i], Slot::Reading) {
+                            state.slots[i] = Slot::Done;
+                            state.held -= self.source.header.tensors[i].nbytes() as u64;
+                        }
+                    }
+                }
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// Reads one batch: owned buffers, or page-cache hints (None for each).
+    fn read(&self, infos: &[&TensorInfo]) -> Result<(Vec<Option<TensorBytes>>, engine::Report)> {
+        let source = &*self.source;
+        match self.mode {
+            Mode::Owned(strategy) => {
+                let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
+                let mut poll = || self.stop.load(Ordering::Relaxed);
+                let (tensors, report, _) =
+                    source::read_or_map(&[source], &wanted, strategy, None, &self.opts, &mut poll)?;
+                Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
+            }
+            Mode::PageCache => {
+                let start = source.header.data_start();
+                let (first, last) = (infos[0], infos[infos.len() - 1]);
+                let (mut at, end) = (first.begin as u64, last.end as u64);
+                while at < end && !self.stop.load(Ordering::Relaxed) {
+                    let len = PREFETCH_BYTES.min(end - at);
+                    platform::prefetch(&source.file, start + at, len);
+                    at += len;
+                }
+                Ok((
+                    infos.iter().map(|_| None).collect(),
+                    engine::Report::default(),
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::dtype::Dtype;
+    use crate::serialize;
+
+    /// A file of `n` U8 tensors of `size` bytes each, every byte a function of tensor and
+    /// position; returns its path and each tensor's bytes.
+    fn sample(tag: &str, n: usize, size: usize) -> (std::path::PathBuf, Vec<(String, Vec<u8>)>) {
+        let dir = std::env::temp_dir().join(format!("safeload-ra-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.safetensors");
+        let tensors: Vec<(String, Vec<u8>)> = (0..n)
+            .map(|t| {
+                let bytes = (0..size)
+                    .map(|i| (i * 31 + t * 7 + i / 251) as u8)
+                    .collect();
+                (format!("t{t:03}"), bytes)
+            })
+            .collect();
+        let shapes: Vec<Vec<usize>> = tensors.iter().map(|(_, b)| vec![b.len()]).collect();
+        let mut specs: Vec<serialize::TensorIn<'_>> = tensors
+            .iter()
+            .zip(&shapes)
+            .map(|((name, data), shape)| serialize::TensorIn {
+                name,
+                dtype: Dtype::U8,
+                shape,
+                data,
+            })
+            .collect();
+        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        (path, tensors)
+    }
+
+    fn open(path: &std::path::Path) -> Arc<Source> {
+        Arc::new(Source::open(path).unwrap())
+    }
+
+    #[test]
+    fn owned_reads_serve_any_order_within_the_budget() {
+        let (path, tensors) = sample("order", 48, 1 << 20);
+        let source = open(&path);
+        let budget = 6 << 20;
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            budget,
+        );
+        // Odd tensors backwards, then even ones forwards: most requests are not the next in file
+        // order. What the read-ahead hands over must be the file's bytes, and anything it does
+        // not have is the caller's to read (None).
+        let order: Vec<usize> = (0..48)
+            .rev()
+            .filter(|i| i % 2 == 1)
+            .chain((0..48).filter(|i| i % 2 == 0))
+            .collect();
+        let mut served = 0;
+        for &i in &order {
+            let index = source.header.index_of(&tensors[i].0).unwrap();
+            if let Some(bytes) = ahead.take(index, true, &mut || false).unwrap() {
+                assert_eq!(bytes.as_slice(), &tensors[i].1[..], "tensor {i}");
+                served += 1;
+            }
+            assert!(
+                ahead.held_bytes() <= budget,
+                "held {} > budget {budget}",
+                ahead.held_bytes()
+            );
+        }
+        // A second request of a tensor already handed over is the caller's (a fresh read).
+        assert!(ahead.take(0, true, &mut || false).unwrap().is_none());
+        ahead.stop();
+        assert_eq!(ahead.held_bytes(), 0);
+        let totals = ahead.totals();
+        assert!(totals.bytes_read >= served as u64 * (1 << 20));
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_finished_walk_serves_every_tensor() {
+        let (path, tensors) = sample("all", 20, 300_000);
+        let source = open(&path);
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            1 << 20,
+        );
+        ahead.want_all();
+        ahead.finish();
+        assert_eq!(ahead.held_bytes(), 20 * 300_000);
+        for i in (0..20).rev() {
+            let bytes = ahead
+                .take(i, true, &mut || false)
+                .unwrap()
+                .expect("read ahead");
+            assert_eq!(bytes.as_slice(), &tensors[i].1[..]);
+        }
+        assert_eq!(ahead.held_bytes(), 0);
+        assert_eq!(ahead.totals().bytes_read, 20 * 300_000);
+        drop(ahead);
+        drop(source);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn threads_share_one_read_ahead() {
+        let (path, tensors) = sample("threads", 64, 256 << 10);
+        let source = open(&path);
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            4 << 20,
+        );
+        let tensors = &tensors;
+        let served = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for worker in 0..4 {
+                let (ahead, source, served) = (&ahead, &source, &served);
+                s.spawn(move || {
+                    // Each thread takes every fourth tensor, from the end of the file.
+                    for i in (0..64).rev().filter(|i| i % 4 == worker) {
+                        let index = source.header.index_of(&tensors[i].0).unwrap();
+                        if let Some(bytes) = ahead.take(index, true, &mut || false).unwrap() {
+                            assert_eq!(bytes.as_slice(), &tensors[i].1[..]);
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        drop(ahead);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_file_cut_short_leaves_reads_to_the_caller() {
+        let (path, tensors) = sample("cut", 8, 1 << 20);
+        let source = open(&path);
+        // Truncated after open: the read-ahead's read fails; the caller gets None and its own
+        // read reports the error.
+        let len = std::fs::metadata(&path).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            64 << 20,
+        );
+        let last = source.header.index_of(&tensors[7].0).unwrap();
+        ahead.want_all();
+        assert!(ahead.take(last, true, &mut || false).unwrap().is_none());
+        drop(ahead);
+        drop(source);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn page_cache_mode_hands_nothing_over() {
+        let (path, _) = sample("map", 8, 64 << 10);
+        let source = open(&path);
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::PageCache,
+            ReadOptions::default(),
+            1 << 20,
+        );
+        ahead.want_all();
+        for i in 0..8 {
+            assert!(ahead.take(i, true, &mut || false).unwrap().is_none());
+        }
+        drop(ahead);
+        drop(source);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("1024"), Some(1024));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
+        assert_eq!(parse_bytes("256MiB"), Some(256 << 20));
+        assert_eq!(parse_bytes(" 8 GiB "), Some(8 << 30));
+        assert_eq!(parse_bytes("1.5g"), Some(3 << 29));
+        assert_eq!(parse_bytes("0"), Some(0));
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("5 parsecs"), None);
+    }
+}
