@@ -137,9 +137,10 @@ def _fingerprint(model: Any) -> str:
 
 def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     if os.environ.get("SAFELOAD_PATCH"):
-        import safeload.patch
+        import importlib
 
-        safeload.patch._autopatch()  # what the startup hook runs (idempotent when it ran already)
+        # What the startup hook runs (idempotent when it ran already).
+        importlib.import_module("safeload.patch")._autopatch()
     import torch
 
     lib, path = spec["lib"], spec["path"]
@@ -149,12 +150,16 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         from transformers.models.llama import modeling_llama  # noqa: F401
 
         config = transformers.AutoConfig.from_pretrained(path)
-        load = lambda: transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16)  # noqa: E731
+        auto = transformers.AutoModelForCausalLM  # resolved (lazy imports) before the clock
+        auto._model_mapping[type(config)]  # noqa: B018 - imports the model class
+        load = lambda: auto.from_pretrained(path, config=config, dtype=torch.bfloat16)  # noqa: E731
     else:
         import diffusers
         import diffusers.models.model_loading_utils  # noqa: F401
 
-        load = lambda: diffusers.UNet2DConditionModel.from_pretrained(path, torch_dtype=torch.bfloat16)  # noqa: E731
+        unet = diffusers.UNet2DConditionModel  # resolved (lazy imports) before the clock
+        unet.load_config(path)
+        load = lambda: unet.from_pretrained(path, torch_dtype=torch.bfloat16)  # noqa: E731
     if spec["state"] == "cold":
         for f in _weights(path):
             bench._drop_cache(f)

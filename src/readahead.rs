@@ -97,6 +97,8 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
+    /// Page-cache mode: tensors asked for (mapped by the caller) so far.
+    asked: Vec<bool>,
     /// The read-ahead walks tensors from `start` to the end, then from the first to `start`.
     start: usize,
     /// Positions of that walk already claimed or passed.
@@ -111,6 +113,7 @@ struct State {
     bytes_read: u64,
     seconds: f64,
     direct_refused: bool,
+    hinted: u64,
 }
 
 struct Shared {
@@ -129,6 +132,8 @@ pub struct Totals {
     pub bytes_read: u64,
     pub seconds: f64,
     pub direct_refused: bool,
+    /// Page-cache mode: bytes the OS was asked to read ahead.
+    pub hinted: u64,
 }
 
 /// Read-ahead over one open file; stops (and frees what was not taken) when dropped or
@@ -149,6 +154,7 @@ impl ReadAhead {
         };
         let state = State {
             slots: (0..n).map(|_| Slot::Idle).collect(),
+            asked: vec![false; n],
             start: 0,
             scanned: 0,
             held: 0,
@@ -158,6 +164,7 @@ impl ReadAhead {
             bytes_read: 0,
             seconds: 0.0,
             direct_refused: false,
+            hinted: 0,
         };
         ReadAhead {
             shared: Arc::new(Shared {
@@ -193,8 +200,27 @@ impl ReadAhead {
             state.start = index;
             self.spawn(&mut state);
         }
+        let size = shared.source.header.tensors[index].nbytes() as u64;
+        if !self.owned() {
+            // Page cache: the caller maps the tensor; its pages still have to be read, so a
+            // tensor asked for before its hint keeps its place in the walk (at no cost to the
+            // window). `held` counts hinted tensors nobody asked for.
+            if !state.asked[index] {
+                state.asked[index] = true;
+                state.taken += size;
+                match state.slots[index] {
+                    Slot::Ready(_) => {
+                        state.slots[index] = Slot::Done;
+                        state.held -= size;
+                    }
+                    Slot::Reading => state.held -= size,
+                    Slot::Idle | Slot::Done => {}
+                }
+                shared.cv.notify_all();
+            }
+            return Ok(None);
+        }
         loop {
-            let size = shared.source.header.tensors[index].nbytes() as u64;
             match &mut state.slots[index] {
                 Slot::Ready(bytes) => {
                     let bytes = bytes.take();
@@ -204,7 +230,7 @@ impl ReadAhead {
                     shared.cv.notify_all();
                     return Ok(bytes);
                 }
-                Slot::Reading if self.owned() => {
+                Slot::Reading => {
                     let (next, _) = shared
                         .cv
                         .wait_timeout(state, WAIT)
@@ -213,11 +239,6 @@ impl ReadAhead {
                     if poll() {
                         return Err(Error::Cancelled);
                     }
-                }
-                Slot::Reading => {
-                    // Pages being read into the cache: the map's faults wait for them.
-                    state.taken += size;
-                    return Ok(None);
                 }
                 Slot::Idle => {
                     state.slots[index] = Slot::Done;
@@ -253,12 +274,22 @@ impl ReadAhead {
             bytes_read: state.bytes_read,
             seconds: state.seconds,
             direct_refused: state.direct_refused,
+            hinted: state.hinted,
         }
     }
 
     /// Bytes read ahead and not taken yet (owned memory or page cache).
     pub fn held_bytes(&self) -> u64 {
         self.shared.lock().held
+    }
+
+    /// Closes: stops the workers and frees what was not taken (see the `Drop` for page-cache
+    /// hints that finish on their own).
+    pub fn close(&self) {
+        let finish = self.shared.mode == Mode::PageCache && self.shared.lock().want_all;
+        if !finish {
+            self.stop();
+        }
     }
 
     /// Stops the workers (a read in flight is cancelled) and frees what was not taken.
@@ -310,8 +341,12 @@ impl ReadAhead {
 }
 
 impl Drop for ReadAhead {
+    /// Stops the workers, except page-cache hints for a file whose every tensor was asked for
+    /// (`get_tensors()` on a map, as `load_file` does before closing the handle): they finish the
+    /// walk on their own (it ends at the last tensor), so the caller's first touches find the
+    /// pages read. They hold the file open until then, as the map's views do.
     fn drop(&mut self) {
-        self.stop();
+        self.close();
     }
 }
 
@@ -352,7 +387,12 @@ impl Shared {
                 state.scanned += 1;
                 continue;
             }
-            let size = self.source.header.tensors[i].nbytes() as u64;
+            // Page cache: a tensor already asked for costs the window nothing.
+            let size = if state.asked[i] {
+                0
+            } else {
+                self.source.header.tensors[i].nbytes() as u64
+            };
             let fits_window = state.held + bytes + size <= window;
             // One tensor larger than the window is read alone once nothing else is held.
             let alone = batch.is_empty() && state.held == 0;
@@ -405,12 +445,20 @@ impl Shared {
             let mut state = self.lock();
             match read {
                 Ok((buffers, report)) => {
-                    state.bytes_read += report.bytes;
+                    if self.mode == Mode::PageCache {
+                        state.hinted += infos.iter().map(|t| t.nbytes() as u64).sum::<u64>();
+                    } else {
+                        state.bytes_read += report.bytes;
+                    }
                     state.seconds += report.seconds;
                     state.direct_refused |= report.direct_refused;
                     for (&i, bytes) in batch.iter().zip(buffers) {
                         if matches!(state.slots[i], Slot::Reading) {
-                            state.slots[i] = Slot::Ready(bytes);
+                            state.slots[i] = if state.asked[i] {
+                                Slot::Done
+                            } else {
+                                Slot::Ready(bytes)
+                            };
                         }
                     }
                 }
@@ -419,7 +467,9 @@ impl Shared {
                     for &i in &batch {
                         if matches!(state.slots[i], Slot::Reading) {
                             state.slots[i] = Slot::Done;
-                            state.held -= self.source.header.tensors[i].nbytes() as u64;
+                            if !state.asked[i] {
+                                state.held -= self.source.header.tensors[i].nbytes() as u64;
+                            }
                         }
                     }
                 }
@@ -440,12 +490,21 @@ impl Shared {
                 Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
             }
             Mode::PageCache => {
-                let start = source.header.data_start();
+                // Populated through the map where the OS can (the pages are read and mapped, so
+                // the caller's touches do not fault), else hinted to the page cache.
                 let (first, last) = (infos[0], infos[infos.len() - 1]);
-                let (mut at, end) = (first.begin as u64, last.end as u64);
+                let span = source.map_span(first.begin, last.end)?;
+                let (mut at, end) = (0usize, span.len());
                 while at < end && !self.stop.load(Ordering::Relaxed) {
-                    let len = PREFETCH_BYTES.min(end - at);
-                    platform::prefetch(&source.file, start + at, len);
+                    let len = (PREFETCH_BYTES as usize).min(end - at);
+                    // SAFETY: `at < end`: in bounds of the span's live map.
+                    let ptr = unsafe { span.as_mut_ptr().add(at) };
+                    let populated = std::ptr::NonNull::new(ptr)
+                        .is_some_and(|p| platform::populate_mapped(p, len));
+                    if !populated {
+                        let offset = source.header.data_start() + (first.begin + at) as u64;
+                        platform::prefetch(&source.file, offset, len as u64);
+                    }
                     at += len;
                 }
                 Ok((
@@ -633,10 +692,15 @@ mod tests {
             ReadOptions::default(),
             1 << 20,
         );
-        ahead.want_all();
-        for i in 0..8 {
+        // Asked for (mapped) before the hints reach them: they are still hinted, in file order.
+        for i in (0..8).rev() {
             assert!(ahead.take(i, true, &mut || false).unwrap().is_none());
         }
+        ahead.want_all();
+        ahead.finish();
+        assert_eq!(ahead.totals().hinted, 8 * (64 << 10));
+        assert_eq!(ahead.totals().bytes_read, 0);
+        assert_eq!(ahead.held_bytes(), 0);
         drop(ahead);
         drop(source);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();

@@ -159,6 +159,17 @@ impl Source {
         Ok(copy.into_shared())
     }
 
+    /// Data bytes `[begin, end)` (offsets into the data area, as tensors' `data_offsets`) as a
+    /// view of the file's private map, whatever their alignment.
+    pub fn map_span(&self, begin: usize, end: usize) -> Result<TensorBytes> {
+        let map = self.mapping()?;
+        Ok(TensorBytes::new(
+            map,
+            self.header.data_start() as usize + begin,
+            end - begin,
+        ))
+    }
+
     fn mapping(&self) -> Result<Arc<Storage>> {
         if let Some(map) = self.map.get() {
             return Ok(map.clone());

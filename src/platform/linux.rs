@@ -186,6 +186,22 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
     super::unix::map_anonymous_aligned(len, MAP_ALIGN)
 }
 
+pub fn populate_mapped(ptr: NonNull<u8>, len: usize) -> bool {
+    // MADV_POPULATE_READ (Linux 5.14): read faults on every page, reported as an error code
+    // instead of a signal. The range is widened to whole pages.
+    let page = super::page_size();
+    let start = ptr.as_ptr() as usize / page * page;
+    let end = (ptr.as_ptr() as usize + len).next_multiple_of(page);
+    // SAFETY: the range lies within a live mapping the caller holds; populating only reads.
+    unsafe {
+        libc::madvise(
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_POPULATE_READ,
+        ) == 0
+    }
+}
+
 pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
     // SAFETY: advisory call on memory the caller owns.
     unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };

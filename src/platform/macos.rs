@@ -131,6 +131,11 @@ pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
     None
 }
 
+/// No populate call here: the caller hints instead.
+pub fn populate_mapped(_ptr: NonNull<u8>, _len: usize) -> bool {
+    false
+}
+
 pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
 
 pub fn huge_page_faults_cannot_stall() -> bool {

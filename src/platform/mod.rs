@@ -150,6 +150,13 @@ pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, len: usize) {
     unsafe { os::unmap_anonymous(ptr, len) }
 }
 
+/// Reads the file pages behind `[ptr, ptr+len)` of a private file map into the page cache and
+/// maps them (so the first touch does not fault), waiting for them. False where the OS cannot
+/// (then [`prefetch`] is the hint to give). A page past the file's end is an error, not SIGBUS.
+pub fn populate_mapped(ptr: NonNull<u8>, len: usize) -> bool {
+    os::populate_mapped(ptr, len)
+}
+
 /// Advises the OS to back `[ptr, ptr+len)` with huge pages (a hint; no-op where there are none).
 pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
     os::advise_huge_pages(ptr, len)

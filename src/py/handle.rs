@@ -292,7 +292,7 @@ impl Handle {
         if Arc::strong_count(&self.ahead) == 1
             && let Some(Some(ahead)) = self.ahead.get()
         {
-            ahead.stop();
+            ahead.close();
         }
     }
 
