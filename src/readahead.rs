@@ -97,8 +97,6 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// Page-cache mode: tensors asked for (mapped by the caller) so far.
-    asked: Vec<bool>,
     /// The read-ahead walks tensors from `start` to the end, then from the first to `start`.
     start: usize,
     /// Positions of that walk already claimed or passed.
@@ -154,7 +152,6 @@ impl ReadAhead {
         };
         let state = State {
             slots: (0..n).map(|_| Slot::Idle).collect(),
-            asked: vec![false; n],
             start: 0,
             scanned: 0,
             held: 0,
@@ -186,7 +183,8 @@ impl ReadAhead {
 
     /// Tensor `index` (of the header's file-order table) for a caller that wants it whole:
     /// its read-ahead bytes when they are ready (waiting while a worker reads them), or None:
-    /// then the caller reads it itself (and page-cache mode always returns None: map it). The
+    /// then the caller reads it itself. Page-cache mode always returns None (map it), once the
+    /// tensor's pages are resident: read ahead, waited for, or populated by this call. The
     /// first request starts the read-ahead from this tensor on, when `start` is set.
     pub fn take(
         &self,
@@ -201,25 +199,6 @@ impl ReadAhead {
             self.spawn(&mut state);
         }
         let size = shared.source.header.tensors[index].nbytes() as u64;
-        if !self.owned() {
-            // Page cache: the caller maps the tensor; its pages still have to be read, so a
-            // tensor asked for before its hint keeps its place in the walk (at no cost to the
-            // window). `held` counts hinted tensors nobody asked for.
-            if !state.asked[index] {
-                state.asked[index] = true;
-                state.taken += size;
-                match state.slots[index] {
-                    Slot::Ready(_) => {
-                        state.slots[index] = Slot::Done;
-                        state.held -= size;
-                    }
-                    Slot::Reading => state.held -= size,
-                    Slot::Idle | Slot::Done => {}
-                }
-                shared.cv.notify_all();
-            }
-            return Ok(None);
-        }
         loop {
             match &mut state.slots[index] {
                 Slot::Ready(bytes) => {
@@ -244,6 +223,14 @@ impl ReadAhead {
                     state.slots[index] = Slot::Done;
                     state.taken += size;
                     shared.cv.notify_all();
+                    if !self.owned() {
+                        // Page cache: the caller maps it; its pages are read here, beside the
+                        // workers' (several callers' threads read in parallel).
+                        drop(state);
+                        let info = &shared.source.header.tensors[index];
+                        shared.populate(info.begin, info.end);
+                        shared.lock().hinted += size;
+                    }
                     return Ok(None);
                 }
                 Slot::Done => return Ok(None),
@@ -387,12 +374,7 @@ impl Shared {
                 state.scanned += 1;
                 continue;
             }
-            // Page cache: a tensor already asked for costs the window nothing.
-            let size = if state.asked[i] {
-                0
-            } else {
-                self.source.header.tensors[i].nbytes() as u64
-            };
+            let size = self.source.header.tensors[i].nbytes() as u64;
             let fits_window = state.held + bytes + size <= window;
             // One tensor larger than the window is read alone once nothing else is held.
             let alone = batch.is_empty() && state.held == 0;
@@ -454,11 +436,7 @@ impl Shared {
                     state.direct_refused |= report.direct_refused;
                     for (&i, bytes) in batch.iter().zip(buffers) {
                         if matches!(state.slots[i], Slot::Reading) {
-                            state.slots[i] = if state.asked[i] {
-                                Slot::Done
-                            } else {
-                                Slot::Ready(bytes)
-                            };
+                            state.slots[i] = Slot::Ready(bytes);
                         }
                     }
                 }
@@ -467,9 +445,7 @@ impl Shared {
                     for &i in &batch {
                         if matches!(state.slots[i], Slot::Reading) {
                             state.slots[i] = Slot::Done;
-                            if !state.asked[i] {
-                                state.held -= self.source.header.tensors[i].nbytes() as u64;
-                            }
+                            state.held -= self.source.header.tensors[i].nbytes() as u64;
                         }
                     }
                 }
@@ -478,7 +454,30 @@ impl Shared {
         }
     }
 
-    /// Reads one batch: owned buffers, or page-cache hints (None for each).
+    /// Makes data bytes `[begin, end)` resident in the file's map where the OS can (the pages
+    /// are read and mapped, so the caller's touches do not fault), else hints them to the page
+    /// cache; 16 MiB at a time, until stopped. Errors (a file cut short) are left to the touch.
+    fn populate(&self, begin: usize, end: usize) {
+        let source = &*self.source;
+        let Ok(span) = source.map_span(begin, end) else {
+            return;
+        };
+        let mut at = 0usize;
+        while at < span.len() && !self.stop.load(Ordering::Relaxed) {
+            let len = (PREFETCH_BYTES as usize).min(span.len() - at);
+            // SAFETY: `at < span.len()`: in bounds of the span's live map.
+            let ptr = unsafe { span.as_mut_ptr().add(at) };
+            let populated =
+                std::ptr::NonNull::new(ptr).is_some_and(|p| platform::populate_mapped(p, len));
+            if !populated {
+                let offset = source.header.data_start() + (begin + at) as u64;
+                platform::prefetch(&source.file, offset, len as u64);
+            }
+            at += len;
+        }
+    }
+
+    /// Reads one batch: owned buffers, or resident map pages (None for each).
     fn read(&self, infos: &[&TensorInfo]) -> Result<(Vec<Option<TensorBytes>>, engine::Report)> {
         let source = &*self.source;
         match self.mode {
@@ -490,22 +489,8 @@ impl Shared {
                 Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
             }
             Mode::PageCache => {
-                // Populated through the map where the OS can (the pages are read and mapped, so
-                // the caller's touches do not fault), else hinted to the page cache.
-                let (first, last) = (infos[0], infos[infos.len() - 1]);
-                let span = source.map_span(first.begin, last.end)?;
-                let (mut at, end) = (0usize, span.len());
-                while at < end && !self.stop.load(Ordering::Relaxed) {
-                    let len = (PREFETCH_BYTES as usize).min(end - at);
-                    // SAFETY: `at < end`: in bounds of the span's live map.
-                    let ptr = unsafe { span.as_mut_ptr().add(at) };
-                    let populated = std::ptr::NonNull::new(ptr)
-                        .is_some_and(|p| platform::populate_mapped(p, len));
-                    if !populated {
-                        let offset = source.header.data_start() + (first.begin + at) as u64;
-                        platform::prefetch(&source.file, offset, len as u64);
-                    }
-                    at += len;
+                for t in infos {
+                    self.populate(t.begin, t.end);
                 }
                 Ok((
                     infos.iter().map(|_| None).collect(),
@@ -692,7 +677,8 @@ mod tests {
             ReadOptions::default(),
             1 << 20,
         );
-        // Asked for (mapped) before the hints reach them: they are still hinted, in file order.
+        // Every tensor asked for is made resident once: by a worker ahead of the request, or by
+        // the request itself.
         for i in (0..8).rev() {
             assert!(ahead.take(i, true, &mut || false).unwrap().is_none());
         }
