@@ -34,6 +34,8 @@ const PAGE_CACHE_FACTOR: u64 = 4;
 const FIRST_WINDOW: u64 = 64 << 20;
 /// Page-cache hints are given this many bytes at a time.
 const PREFETCH_BYTES: u64 = 16 << 20;
+/// Workers populating a map (each waits on its own 16 MiB at a time).
+const PAGE_CACHE_WORKERS: usize = 4;
 /// How often a waiting caller polls for cancellation.
 const WAIT: Duration = Duration::from_millis(20);
 
@@ -311,7 +313,8 @@ impl ReadAhead {
         let count = match self.shared.mode {
             // Two batches in flight, so one's tail overlaps the next one's start.
             Mode::Owned(_) => 2,
-            Mode::PageCache => 1,
+            // Populating waits for its pages: several in flight keep the disk's queue full.
+            Mode::PageCache => PAGE_CACHE_WORKERS,
         };
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         for _ in 0..count {
@@ -352,7 +355,7 @@ impl Shared {
     /// The most bytes one batch claims.
     fn batch_limit(&self) -> u64 {
         match self.mode {
-            Mode::PageCache => 4 * PREFETCH_BYTES,
+            Mode::PageCache => PREFETCH_BYTES,
             Mode::Owned(_) => {
                 let chunk = source::chunk_bytes(&[&*self.source], &self.opts) as u64;
                 let threads = source::threads(&[&*self.source], &self.opts) as u64;
@@ -462,6 +465,9 @@ impl Shared {
         let Ok(span) = source.map_span(begin, end) else {
             return;
         };
+        // The whole range is queued first, so the disk reads ahead of the waits below.
+        let data_start = source.header.data_start();
+        platform::prefetch(&source.file, data_start + begin as u64, span.len() as u64);
         let mut at = 0usize;
         while at < span.len() && !self.stop.load(Ordering::Relaxed) {
             let len = (PREFETCH_BYTES as usize).min(span.len() - at);
@@ -470,8 +476,7 @@ impl Shared {
             let populated =
                 std::ptr::NonNull::new(ptr).is_some_and(|p| platform::populate_mapped(p, len));
             if !populated {
-                let offset = source.header.data_start() + (begin + at) as u64;
-                platform::prefetch(&source.file, offset, len as u64);
+                platform::prefetch(&source.file, data_start + (begin + at) as u64, len as u64);
             }
             at += len;
         }
