@@ -584,6 +584,8 @@ mod tests {
         assert_eq!(ahead.held_bytes(), 0);
         let totals = ahead.totals();
         assert!(totals.bytes_read >= served as u64 * (1 << 20));
+        drop(ahead);
+        drop(source); // Windows cannot delete files still open
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 
@@ -642,6 +644,7 @@ mod tests {
             }
         });
         drop(ahead);
+        drop(source); // Windows cannot delete files still open
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 
