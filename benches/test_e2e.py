@@ -19,8 +19,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import slowfs  # noqa: E402
 
 
-@pytest.mark.parametrize("lib", ["transformers", "diffusers"])
-def test_e2e_from_pretrained(lib, tiny, tmp_path):
+@pytest.mark.parametrize("library", ["transformers", "diffusers"])
+def test_e2e_from_pretrained(library, tiny, tmp_path):
+    lib = library  # "lib" is conftest's safetensors/safeload parameter
     pytest.importorskip(lib)
     states = "warm,cold" + ("" if slowfs.fuse_unavailable() else ",fuse,hf-mount")
     size, rounds = ("tiny", 1) if tiny else ("small", 1)
