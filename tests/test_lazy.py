@@ -200,3 +200,26 @@ def test_network_mounts_are_never_mapped(fuse_model, backend):
         everything = f.get_tensors()
     _same(got, want)
     _same(everything, want)
+
+
+def test_file_cut_short_under_the_read_ahead_raises_never_bad_bytes(tmp_path, monkeypatch):
+    # 1 MiB tensors and a 1 MiB budget: when the file is cut, the read-ahead holds at most the
+    # tensor after the first one, so the tensors past the cut cannot have been read before it.
+    monkeypatch.setenv("SAFELOAD_READAHEAD_BYTES", "1MiB")
+    tensors = {f"t{i}": torch.full((256, 1024), i, dtype=torch.int32) for i in range(8)}
+    path = tmp_path / "model.safetensors"
+    st.save_file(tensors, path)
+    failed = []
+    with safeload.safe_open(path, "pt", backend="pread") as f:
+        names = f.offset_keys()
+        assert torch.equal(f.get_tensor(names[0]), tensors[names[0]])
+        os.truncate(path, os.path.getsize(path) // 2)
+        for k in names[1:]:
+            try:
+                got = f.get_tensor(k)
+            except safeload.SafetensorError as e:
+                assert str(path) in str(e) and k in str(e), str(e)
+                failed.append(k)
+            else:
+                assert torch.equal(got, tensors[k]), k  # read before the cut: the file's bytes
+    assert failed and failed == names[-len(failed):], failed
