@@ -5,15 +5,18 @@
 //! - Owned memory (`pread`, `direct`): each tensor is read into memory it will own, as a demand
 //!   read would; [`ReadAhead::take`] hands those bytes over (no copy). A tensor asked for before
 //!   the read-ahead reached it is read by the caller (the demand path) and skipped here.
-//! - Page cache (`mmap`): the map's views need no read; the workers ask the OS to read the
-//!   tensors' pages ahead of the touches ([`platform::prefetch`]), in file order.
+//! - Page cache (`mmap`): the map's views need no copy; the workers make the tensors' pages
+//!   resident ahead of the touches ([`platform::populate_mapped`], else [`platform::prefetch`]),
+//!   in file order, and a request they have not reached populates its own tensor.
+//!
+//! A process forked while workers run has none of them: its requests bypass the read-ahead.
 //!
 //! The window: at most `min(budget, max(64 MiB, bytes taken so far))` of tensors read ahead and
 //! not yet taken, so one `get_tensor` costs at most 64 MiB of extra reads, a loop's window grows
 //! as it goes, and a tensor nobody asks for costs at most its share of the budget (its memory is
 //! released with the handle). [`ReadAhead::want_all`] lifts the window (every tensor was asked).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -122,6 +125,10 @@ struct Shared {
     opts: ReadOptions,
     budget: u64,
     stop: AtomicBool,
+    /// The process the workers were started in (0: not started). A child forked while they ran
+    /// has no workers, and its copy of `state` may be locked by a thread it does not have: it
+    /// never touches either.
+    pid: AtomicU32,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -172,6 +179,7 @@ impl ReadAhead {
                 opts,
                 budget,
                 stop: AtomicBool::new(false),
+                pid: AtomicU32::new(0),
                 state: Mutex::new(state),
                 cv: Condvar::new(),
             }),
@@ -195,6 +203,9 @@ impl ReadAhead {
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<Option<TensorBytes>> {
         let shared = &*self.shared;
+        if self.forked() {
+            return Ok(None); // the workers are the parent's: read on demand
+        }
         let mut state = shared.lock();
         if start && !state.started {
             state.start = index;
@@ -240,6 +251,12 @@ impl ReadAhead {
         }
     }
 
+    /// Whether this is a child forked after the workers started (see [`Shared::pid`]).
+    fn forked(&self) -> bool {
+        let pid = self.shared.pid.load(Ordering::Relaxed);
+        pid != 0 && pid != std::process::id()
+    }
+
     fn owned(&self) -> bool {
         matches!(self.shared.mode, Mode::Owned(_))
     }
@@ -247,6 +264,9 @@ impl ReadAhead {
     /// Every tensor was asked for (a `get_tensors()` on a map): read ahead through the whole
     /// file, whatever the window.
     pub fn want_all(&self) {
+        if self.forked() {
+            return;
+        }
         let mut state = self.shared.lock();
         state.want_all = true;
         if !state.started {
@@ -258,6 +278,9 @@ impl ReadAhead {
 
     /// What the read-ahead has read so far.
     pub fn totals(&self) -> Totals {
+        if self.forked() {
+            return Totals::default();
+        }
         let state = self.shared.lock();
         Totals {
             bytes_read: state.bytes_read,
@@ -269,12 +292,18 @@ impl ReadAhead {
 
     /// Bytes read ahead and not taken yet (owned memory or page cache).
     pub fn held_bytes(&self) -> u64 {
+        if self.forked() {
+            return 0;
+        }
         self.shared.lock().held
     }
 
     /// Closes: stops the workers and frees what was not taken (see the `Drop` for page-cache
     /// hints that finish on their own).
     pub fn close(&self) {
+        if self.forked() {
+            return self.stop();
+        }
         let finish = self.shared.mode == Mode::PageCache && self.shared.lock().want_all;
         if !finish {
             self.stop();
@@ -284,6 +313,16 @@ impl ReadAhead {
     /// Stops the workers (a read in flight is cancelled) and frees what was not taken.
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        if self.forked() {
+            // The parent's threads and locks: nothing here to join or free (the child's copy
+            // of what they read goes with the process).
+            if let Ok(mut workers) = self.workers.try_lock() {
+                std::mem::take(&mut *workers)
+                    .into_iter()
+                    .for_each(std::mem::forget);
+            }
+            return;
+        }
         self.shared.cv.notify_all();
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
         for w in workers {
@@ -310,6 +349,7 @@ impl ReadAhead {
 
     fn spawn(&self, state: &mut MutexGuard<'_, State>) {
         state.started = true;
+        self.shared.pid.store(std::process::id(), Ordering::Relaxed);
         let count = match self.shared.mode {
             // Two batches in flight, so one's tail overlaps the next one's start.
             Mode::Owned(_) => 2,

@@ -223,3 +223,36 @@ def test_file_cut_short_under_the_read_ahead_raises_never_bad_bytes(tmp_path, mo
             else:
                 assert torch.equal(got, tensors[k]), k  # read before the cut: the file's bytes
     assert failed and failed == names[-len(failed):], failed
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_reads_without_the_parents_workers(model, monkeypatch):
+    """DataLoader-style fork while the read-ahead runs: the child has no workers, so its requests
+    read on demand (never wait on a parent's thread) and get the right bytes."""
+    _, path, want = model
+    monkeypatch.setenv("SAFELOAD_READAHEAD_BYTES", "256KiB")
+    with safeload.safe_open(path, "pt", backend="pread") as f:
+        names = f.offset_keys()
+        f.get_tensor(names[0])
+        _wait_for_read_ahead(f)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status says what happened; a hang is cut by alarm
+            code = 3
+            try:
+                import signal
+
+                signal.alarm(60)
+                # Compared as bytes through numpy: torch's parallel ops (OpenMP, started by the
+                # parent) hang in a forked child whatever safeload does.
+                def flat(t):
+                    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+                ok = all(flat(f.get_tensor(k)) == flat(want[k]) for k in reversed(names))
+                f.close()
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        for k in names[1:]:
+            assert torch.equal(f.get_tensor(k), want[k]), k
