@@ -124,6 +124,8 @@ struct Shared {
     mode: Mode,
     opts: ReadOptions,
     budget: u64,
+    /// The most bytes one batch claims (see [`batch_limit`]).
+    batch_limit: u64,
     stop: AtomicBool,
     /// The process the workers were started in (0: not started). A child forked while they ran
     /// has no workers, and its copy of `state` may be locked by a thread it does not have: it
@@ -172,12 +174,14 @@ impl ReadAhead {
             direct_refused: false,
             hinted: 0,
         };
+        let batch_limit = batch_limit(&source, mode, &opts);
         ReadAhead {
             shared: Arc::new(Shared {
                 source,
                 mode,
                 opts,
                 budget,
+                batch_limit,
                 stop: AtomicBool::new(false),
                 pid: AtomicU32::new(0),
                 state: Mutex::new(state),
@@ -370,6 +374,20 @@ impl ReadAhead {
     }
 }
 
+/// The most bytes one batch claims: one populate step for maps; for owned reads, two chunks per
+/// engine worker (so every worker has work to the end of a batch). Worked out once: the worker
+/// count may read the FUSE connection's settings from sysfs.
+fn batch_limit(source: &Source, mode: Mode, opts: &ReadOptions) -> u64 {
+    match mode {
+        Mode::PageCache => PREFETCH_BYTES,
+        Mode::Owned(_) => {
+            let chunk = source::chunk_bytes(&[source], opts) as u64;
+            let threads = source::threads(&[source], opts) as u64;
+            (2 * chunk * threads).max(32 << 20)
+        }
+    }
+}
+
 impl Drop for ReadAhead {
     /// Stops the workers, except page-cache hints for a file whose every tensor was asked for
     /// (`get_tensors()` on a map, as `load_file` does before closing the handle): they finish the
@@ -392,23 +410,11 @@ impl Shared {
         self.budget.min(FIRST_WINDOW.max(state.taken))
     }
 
-    /// The most bytes one batch claims.
-    fn batch_limit(&self) -> u64 {
-        match self.mode {
-            Mode::PageCache => PREFETCH_BYTES,
-            Mode::Owned(_) => {
-                let chunk = source::chunk_bytes(&[&*self.source], &self.opts) as u64;
-                let threads = source::threads(&[&*self.source], &self.opts) as u64;
-                (2 * chunk * threads).max(32 << 20)
-            }
-        }
-    }
-
     /// Claims the next tensors of the walk that fit the window; None when the window is full or
     /// the walk is over (`state.scanned` says which).
     fn claim(&self, state: &mut State) -> Option<Vec<usize>> {
         let n = state.slots.len();
-        let (window, limit) = (self.window(state), self.batch_limit());
+        let (window, limit) = (self.window(state), self.batch_limit);
         let mut batch = Vec::new();
         let mut bytes = 0u64;
         while state.scanned < n {
@@ -586,17 +592,29 @@ mod tests {
         Arc::new(Source::open(path).unwrap())
     }
 
+    fn owned(source: &Arc<Source>, budget: u64) -> ReadAhead {
+        ReadAhead::new(
+            source.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            budget,
+        )
+    }
+
+    /// Stops the read-ahead and closes the file before removing the sample (Windows cannot
+    /// delete a file still open).
+    fn remove(path: &std::path::Path, source: Arc<Source>, ahead: ReadAhead) {
+        drop(ahead);
+        drop(source);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
     #[test]
     fn owned_reads_serve_any_order_within_the_budget() {
         let (path, tensors) = sample("order", 48, 1 << 20);
         let source = open(&path);
         let budget = 6 << 20;
-        let ahead = ReadAhead::new(
-            source.clone(),
-            Mode::Owned(Strategy::Pread),
-            ReadOptions::default(),
-            budget,
-        );
+        let ahead = owned(&source, budget);
         // Odd tensors backwards, then even ones forwards: most requests are not the next in file
         // order. What the read-ahead hands over must be the file's bytes, and anything it does
         // not have is the caller's to read (None).
@@ -624,21 +642,14 @@ mod tests {
         assert_eq!(ahead.held_bytes(), 0);
         let totals = ahead.totals();
         assert!(totals.bytes_read >= served as u64 * (1 << 20));
-        drop(ahead);
-        drop(source); // Windows cannot delete files still open
-        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+        remove(&path, source, ahead);
     }
 
     #[test]
     fn a_finished_walk_serves_every_tensor() {
         let (path, tensors) = sample("all", 20, 300_000);
         let source = open(&path);
-        let ahead = ReadAhead::new(
-            source.clone(),
-            Mode::Owned(Strategy::Pread),
-            ReadOptions::default(),
-            1 << 20,
-        );
+        let ahead = owned(&source, 1 << 20);
         ahead.want_all();
         ahead.finish();
         assert_eq!(ahead.held_bytes(), 20 * 300_000);
@@ -651,21 +662,14 @@ mod tests {
         }
         assert_eq!(ahead.held_bytes(), 0);
         assert_eq!(ahead.totals().bytes_read, 20 * 300_000);
-        drop(ahead);
-        drop(source);
-        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+        remove(&path, source, ahead);
     }
 
     #[test]
     fn threads_share_one_read_ahead() {
         let (path, tensors) = sample("threads", 64, 256 << 10);
         let source = open(&path);
-        let ahead = ReadAhead::new(
-            source.clone(),
-            Mode::Owned(Strategy::Pread),
-            ReadOptions::default(),
-            4 << 20,
-        );
+        let ahead = owned(&source, 4 << 20);
         let tensors = &tensors;
         let served = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
@@ -683,9 +687,7 @@ mod tests {
                 });
             }
         });
-        drop(ahead);
-        drop(source); // Windows cannot delete files still open
-        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+        remove(&path, source, ahead);
     }
 
     #[test]
@@ -701,18 +703,11 @@ mod tests {
             .unwrap()
             .set_len(len / 2)
             .unwrap();
-        let ahead = ReadAhead::new(
-            source.clone(),
-            Mode::Owned(Strategy::Pread),
-            ReadOptions::default(),
-            64 << 20,
-        );
+        let ahead = owned(&source, 64 << 20);
         let last = source.header.index_of(&tensors[7].0).unwrap();
         ahead.want_all();
         assert!(ahead.take(last, true, &mut || false).unwrap().is_none());
-        drop(ahead);
-        drop(source);
-        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+        remove(&path, source, ahead);
     }
 
     #[test]
@@ -735,9 +730,7 @@ mod tests {
         assert_eq!(ahead.totals().hinted, 8 * (64 << 10));
         assert_eq!(ahead.totals().bytes_read, 0);
         assert_eq!(ahead.held_bytes(), 0);
-        drop(ahead);
-        drop(source);
-        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+        remove(&path, source, ahead);
     }
 
     #[test]

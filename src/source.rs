@@ -144,9 +144,7 @@ impl Source {
         if info.nbytes() == 0 {
             return Ok(TensorBytes::empty());
         }
-        let map = self.mapping()?;
-        let offset = (self.header.data_start() as usize) + info.begin;
-        let bytes = TensorBytes::new(map, offset, info.nbytes());
+        let bytes = self.map_span(info.begin, info.end)?;
         let align = (info.dtype.bits() / 8).clamp(1, 8);
         if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
             return Ok(bytes);

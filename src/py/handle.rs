@@ -113,8 +113,8 @@ impl Handle {
     }
 
     /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,
-    /// else read now (a view of the map under mmap). `start` lets this request start the
-    /// read-ahead (whole-tensor requests do; sub-slices only use what it already holds).
+    /// else read now (a view of the map under mmap). Starts the read-ahead on first use (parts of
+    /// a tensor, in `read_slice`, only use what it already holds).
     fn whole(
         &self,
         py: Python<'_>,
@@ -136,17 +136,19 @@ impl Handle {
                 ));
             }
         }
-        let mut out = self.read_infos(py, source, vec![info], None)?;
+        let (mut out, _) = self.read_infos(py, source, vec![info], None)?;
         Ok(out.pop().expect("one tensor asked, one read"))
     }
 
+    /// Reads (or maps) `infos`; returns their tuples and the strategy that ran (a map cannot
+    /// convert dtypes, so `Mmap` with a converting `dtype` runs `Pread`).
     fn read_infos(
         &self,
         py: Python<'_>,
         source: &Arc<Source>,
         infos: Vec<&TensorInfo>,
         dtype: Option<Dtype>,
-    ) -> PyResult<Vec<TensorTuple>> {
+    ) -> PyResult<(Vec<TensorTuple>, Strategy)> {
         let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
         let (opts, strategy) = (self.opts, self.strategy());
         let s: &Source = source;
@@ -156,11 +158,12 @@ impl Handle {
         if ran != Strategy::Mmap {
             self.record(&report);
         }
-        Ok(infos
+        let tuples = infos
             .into_iter()
             .zip(buffers)
             .map(|(t, (b, d))| (t.name.clone(), d.code(), t.shape.clone(), Bytes::new(b)))
-            .collect())
+            .collect();
+        Ok((tuples, ran))
     }
 }
 
@@ -394,12 +397,12 @@ impl Handle {
                 infos
             }
         };
-        let out = self.read_infos(py, &source, infos, dtype)?;
-        // Views of a map: the page cache is filled ahead of the caller's touches, in file order.
+        let (out, ran) = self.read_infos(py, &source, infos, dtype)?;
+        // Views of a map: its pages are made resident ahead of the caller's touches, in file
+        // order (not when the tensors were read into memory, converting).
         if names.is_none()
-            && self.strategy() == Strategy::Mmap
+            && ran == Strategy::Mmap
             && let Some(ahead) = self.ahead(&source)
-            && ahead.mode() == Mode::PageCache
         {
             ahead.want_all();
         }
