@@ -711,11 +711,14 @@ def _worker_env() -> Dict[str, str]:
     return env
 
 
-def run_worker(spec: Dict[str, Any], timeout: float = 1800.0, stderr_through: bool = False) -> Dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+def run_worker(spec: Dict[str, Any], timeout: float = 1800.0, stderr_through: bool = False,
+               script: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Runs ``script --worker SPEC`` (this file by default) in a fresh process with ``env``
+    (default :func:`_worker_env`); returns the last JSON line it printed, or ``{"error": ...}``."""
+    cmd = [sys.executable, os.path.abspath(script or __file__), "--worker", json.dumps(spec)]
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if stderr_through else subprocess.PIPE,
-                           text=True, timeout=timeout, env=_worker_env())
+                           text=True, timeout=timeout, env=env if env is not None else _worker_env())
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     for line in reversed(p.stdout.splitlines()):

@@ -128,10 +128,12 @@ def _fingerprint(model: Any) -> str:
     """An exact digest of every weight's bytes (for checking variants agree; outside the clock)."""
     import hashlib
 
+    import torch
+
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -188,17 +190,8 @@ def _env(patch: Optional[str]) -> Dict[str, str]:
     return env
 
 
-def run_one(spec: Dict[str, Any], patch: Optional[str], timeout: float = 1800.0) -> Dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-                           env=_env(patch))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"error": f"worker exited {p.returncode}: " + " | ".join((p.stderr or "").strip().splitlines()[-5:])}
+def run_one(spec: Dict[str, Any], patch: Optional[str]) -> Dict[str, Any]:
+    return bench.run_worker(spec, script=__file__, env=_env(patch))
 
 
 # -- the run ---------------------------------------------------------------------------------------
