@@ -25,6 +25,12 @@ pub enum Storage {
     Mapped { mapping: Mapping, len: usize },
     /// A private (copy-on-write) map of a file, for the mmap backend.
     Map(memmap2::MmapMut),
+    /// Memory someone else owns (a device buffer's host alias), alive as long as `keep` is.
+    External {
+        ptr: NonNull<u8>,
+        len: usize,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+    },
 }
 
 // SAFETY: the storage is plain memory; concurrent writers only touch disjoint ranges (enforced by
@@ -61,7 +67,9 @@ impl Storage {
 
     pub fn len(&self) -> usize {
         match self {
-            Storage::Heap { len, .. } | Storage::Mapped { len, .. } => *len,
+            Storage::Heap { len, .. }
+            | Storage::Mapped { len, .. }
+            | Storage::External { len, .. } => *len,
             Storage::Map(m) => m.len(),
         }
     }
@@ -71,9 +79,9 @@ impl Storage {
     }
 
     /// The whole allocation as bytes, for a scratch buffer its owner reads into; None for
-    /// allocator memory, which may be uninitialised.
+    /// allocator memory, which may be uninitialised, and for memory owned elsewhere.
     pub fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if matches!(self, Storage::Heap { .. }) {
+        if matches!(self, Storage::Heap { .. } | Storage::External { .. }) {
             return None;
         }
         // SAFETY: `len` bytes from the start are ours; `&mut self` makes this the only access;
@@ -88,6 +96,7 @@ impl Storage {
             Storage::Heap { ptr, .. } => ptr.as_ptr(),
             Storage::Mapped { mapping, .. } => mapping.as_ptr().as_ptr(),
             Storage::Map(m) => m.as_ptr() as *mut u8,
+            Storage::External { ptr, .. } => ptr.as_ptr(),
         }
     }
 }
@@ -175,6 +184,14 @@ impl TensorBytes {
         // SAFETY: the range is in bounds and, by the contract above, initialised.
         unsafe { std::slice::from_raw_parts(self.as_mut_ptr(), self.len) }
     }
+
+    /// What keeps memory owned elsewhere alive ([`Fresh::external`]); None for our own memory.
+    pub fn keep(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        match self.storage.as_deref() {
+            Some(Storage::External { keep, .. }) => Some(keep.as_ref()),
+            _ => None,
+        }
+    }
 }
 
 /// A newly allocated tensor range that no one else can see yet: the one place a reader may
@@ -209,6 +226,23 @@ impl Fresh {
     /// The filled bytes, shareable (with Python, with other views).
     pub fn into_shared(self) -> TensorBytes {
         self.0
+    }
+
+    /// `len` bytes at `ptr` that someone else owns (a device buffer's host alias), to be read
+    /// into; `keep` keeps them alive and comes back from [`TensorBytes::keep`].
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes for as long as `keep` lives, and
+    /// nothing else may touch those bytes until the returned value (or what it is shared into)
+    /// hands them back.
+    pub unsafe fn external(
+        ptr: *mut u8,
+        len: usize,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Fresh {
+        let ptr = NonNull::new(ptr).unwrap_or(NonNull::dangling());
+        let storage = Storage::External { ptr, len, keep };
+        Fresh(TensorBytes::new(Arc::new(storage), 0, len))
     }
 }
 

@@ -8,6 +8,9 @@
 //! - Page cache (`mmap`): the map's views need no copy; the workers make the tensors' pages
 //!   resident ahead of the touches ([`platform::populate_mapped`], else [`platform::prefetch`]),
 //!   in file order, and a request they have not reached populates its own tensor.
+//! - Provided memory (a device's host alias, for MPS): the caller allocates the destinations
+//!   the walk asks for ([`ReadAhead::wanted`], [`ReadAhead::provide`]) on its own thread, and
+//!   the workers read into them; one write per byte, straight into the final memory.
 //!
 //! A process forked while workers run has none of them: its requests bypass the read-ahead.
 //!
@@ -21,7 +24,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::buffer::TensorBytes;
+use crate::buffer::{Fresh, TensorBytes};
 use crate::engine;
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
@@ -77,6 +80,8 @@ pub enum Mode {
     Owned(Strategy),
     /// The page cache, for a mapped file.
     PageCache,
+    /// Destinations the caller provides ([`ReadAhead::provide`]), read with pread.
+    Provided,
 }
 
 impl Mode {
@@ -90,8 +95,12 @@ impl Mode {
 }
 
 enum Slot {
-    /// Not read yet; the read-ahead may claim it.
+    /// Not read yet; the read-ahead may claim it (except in [`Mode::Provided`]).
     Idle,
+    /// [`Mode::Provided`]: named by [`ReadAhead::wanted`]; its destination is being made.
+    Wanted,
+    /// [`Mode::Provided`]: its destination is here; the read-ahead may claim it.
+    Provided(Fresh),
     /// Claimed by a read-ahead worker.
     Reading,
     /// Read ahead, waiting to be taken (None: in the page cache).
@@ -159,7 +168,7 @@ impl ReadAhead {
         let n = source.header.tensors.len();
         let budget = match mode {
             Mode::PageCache => budget.saturating_mul(PAGE_CACHE_FACTOR),
-            Mode::Owned(_) => budget,
+            Mode::Owned(_) | Mode::Provided => budget,
         };
         let state = State {
             slots: (0..n).map(|_| Slot::Idle).collect(),
@@ -218,6 +227,24 @@ impl ReadAhead {
         let size = shared.source.header.tensors[index].nbytes() as u64;
         loop {
             match &mut state.slots[index] {
+                Slot::Provided(_) => {
+                    // Not claimed yet: the caller reads it into its destination now.
+                    let Slot::Provided(fresh) =
+                        std::mem::replace(&mut state.slots[index], Slot::Done)
+                    else {
+                        unreachable!("matched above")
+                    };
+                    state.held -= size;
+                    state.taken += size;
+                    shared.cv.notify_all();
+                    drop(state);
+                    let info = &shared.source.header.tensors[index];
+                    let (mut read, report) = shared.read_provided(&[info], vec![fresh], poll)?;
+                    let mut state = shared.lock();
+                    state.bytes_read += report.bytes;
+                    state.seconds += report.seconds;
+                    return Ok(read.pop());
+                }
                 Slot::Ready(bytes) => {
                     let bytes = bytes.take();
                     state.slots[index] = Slot::Done;
@@ -226,21 +253,24 @@ impl ReadAhead {
                     shared.cv.notify_all();
                     return Ok(bytes);
                 }
-                Slot::Reading => {
+                Slot::Reading | Slot::Wanted => {
                     let (next, _) = shared
                         .cv
                         .wait_timeout(state, WAIT)
                         .unwrap_or_else(|p| p.into_inner());
-                    state = next;
+                    // `poll` may wait for the GIL, whose holder may be waiting for this lock
+                    // (`wanted`, `provide`, the stats): never poll holding it.
+                    drop(next);
                     if poll() {
                         return Err(Error::Cancelled);
                     }
+                    state = shared.lock();
                 }
                 Slot::Idle => {
                     state.slots[index] = Slot::Done;
                     state.taken += size;
                     shared.cv.notify_all();
-                    if !self.owned() {
+                    if self.shared.mode == Mode::PageCache {
                         // Page cache: the caller maps it; its pages are read here, beside the
                         // workers' (several callers' threads read in parallel).
                         drop(state);
@@ -261,10 +291,6 @@ impl ReadAhead {
         pid != 0 && pid != std::process::id()
     }
 
-    fn owned(&self) -> bool {
-        matches!(self.shared.mode, Mode::Owned(_))
-    }
-
     /// Every tensor was asked for (a `get_tensors()` on a map): read ahead through the whole
     /// file, whatever the window.
     pub fn want_all(&self) {
@@ -278,6 +304,84 @@ impl ReadAhead {
             self.spawn(&mut state);
         }
         self.shared.cv.notify_all();
+    }
+
+    /// [`Mode::Provided`]: the tensors that need a destination now: `index` (unless it was read
+    /// or asked for), then the walk's next tensors that fit the window. The first call starts
+    /// the read-ahead from `index`. The caller allocates them and must hand them (or None) to
+    /// [`ReadAhead::provide`]; until then no other call names them, and requests for them wait.
+    pub fn wanted(&self, index: usize) -> Vec<usize> {
+        if self.forked() || self.shared.mode != Mode::Provided {
+            return Vec::new();
+        }
+        let shared = &*self.shared;
+        let mut state = shared.lock();
+        if !state.started {
+            state.start = index;
+            self.spawn(&mut state);
+        }
+        let n = state.slots.len();
+        let size = |i: usize| shared.source.header.tensors[i].nbytes() as u64;
+        let mut out = Vec::new();
+        let mut held = state.held;
+        if matches!(state.slots[index], Slot::Idle) {
+            out.push(index);
+            held += size(index);
+        }
+        let window = shared.window(&state);
+        for pos in state.scanned..n {
+            let i = (state.start + pos) % n;
+            if i == index || !matches!(state.slots[i], Slot::Idle) {
+                continue;
+            }
+            // One tensor larger than the window is provided alone once nothing else is held.
+            if held + size(i) > window && !(out.is_empty() && held == 0) {
+                break;
+            }
+            out.push(i);
+            held += size(i);
+        }
+        for &i in &out {
+            state.slots[i] = Slot::Wanted;
+        }
+        state.held = held;
+        out
+    }
+
+    /// [`Mode::Provided`]: the destinations of the tensors `wanted` named, one per tensor in
+    /// that order, each exactly the tensor's size; None when the caller could not make them
+    /// (those tensors are then read by their callers). A destination of the wrong size is an
+    /// error, and none of them is used.
+    pub fn provide(&self, wanted: &[usize], destinations: Option<Vec<Fresh>>) -> Result<()> {
+        let shared = &*self.shared;
+        let (result, destinations) = match destinations.map(|d| shared.check(wanted, d)) {
+            Some(Err(e)) => (Err(e), None),
+            Some(Ok(d)) => (Ok(()), Some(d)),
+            None => (Ok(()), None),
+        };
+        if self.forked() || shared.mode != Mode::Provided {
+            return result;
+        }
+        let mut state = shared.lock();
+        match destinations {
+            Some(dests) => {
+                for (&i, fresh) in wanted.iter().zip(dests) {
+                    if matches!(state.slots[i], Slot::Wanted) {
+                        state.slots[i] = Slot::Provided(fresh);
+                    }
+                }
+            }
+            None => {
+                for &i in wanted {
+                    if matches!(state.slots[i], Slot::Wanted) {
+                        state.slots[i] = Slot::Idle;
+                        state.held -= shared.source.header.tensors[i].nbytes() as u64;
+                    }
+                }
+            }
+        }
+        shared.cv.notify_all();
+        result
     }
 
     /// What the read-ahead has read so far.
@@ -334,7 +438,7 @@ impl ReadAhead {
         }
         let mut state = self.shared.lock();
         for slot in state.slots.iter_mut() {
-            if matches!(slot, Slot::Ready(_)) {
+            if matches!(slot, Slot::Ready(_) | Slot::Provided(_) | Slot::Wanted) {
                 *slot = Slot::Done;
             }
         }
@@ -356,7 +460,7 @@ impl ReadAhead {
         self.shared.pid.store(std::process::id(), Ordering::Relaxed);
         let count = match self.shared.mode {
             // Two batches in flight, so one's tail overlaps the next one's start.
-            Mode::Owned(_) => 2,
+            Mode::Owned(_) | Mode::Provided => 2,
             // Populating waits for its pages: several in flight keep the disk's queue full.
             Mode::PageCache => PAGE_CACHE_WORKERS,
         };
@@ -380,7 +484,7 @@ impl ReadAhead {
 fn batch_limit(source: &Source, mode: Mode, opts: &ReadOptions) -> u64 {
     match mode {
         Mode::PageCache => PREFETCH_BYTES,
-        Mode::Owned(_) => {
+        Mode::Owned(_) | Mode::Provided => {
             let chunk = source::chunk_bytes(&[source], opts) as u64;
             let threads = source::threads(&[source], opts) as u64;
             (2 * chunk * threads).max(32 << 20)
@@ -403,6 +507,31 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `dests` as destinations of the tensors `wanted` names: one each, of each one's size.
+    fn check(&self, wanted: &[usize], dests: Vec<Fresh>) -> Result<Vec<Fresh>> {
+        let tensors = &self.source.header.tensors;
+        let path = self.source.path.display();
+        if dests.len() != wanted.len() {
+            return Err(Error::Destination(format!(
+                "{} destinations for {} tensors of {path}",
+                dests.len(),
+                wanted.len()
+            )));
+        }
+        for (&i, d) in wanted.iter().zip(&dests) {
+            let t = &tensors[i];
+            if d.len() != t.nbytes() {
+                return Err(Error::Destination(format!(
+                    "a destination of {} bytes for tensor {} ({} bytes) of {path}",
+                    d.len(),
+                    t.name,
+                    t.nbytes()
+                )));
+            }
+        }
+        Ok(dests)
+    }
+
     fn window(&self, state: &State) -> u64 {
         if state.want_all {
             return u64::MAX;
@@ -410,21 +539,28 @@ impl Shared {
         self.budget.min(FIRST_WINDOW.max(state.taken))
     }
 
-    /// Claims the next tensors of the walk that fit the window; None when the window is full or
-    /// the walk is over (`state.scanned` says which).
-    fn claim(&self, state: &mut State) -> Option<Vec<usize>> {
+    /// Claims the next tensors of the walk that fit the window (with their destinations in
+    /// [`Mode::Provided`], where the walk waits at a tensor not provided yet); None when the
+    /// window is full or the walk is over (`state.scanned` says which).
+    fn claim(&self, state: &mut State) -> Option<Vec<(usize, Option<Fresh>)>> {
         let n = state.slots.len();
+        let provided = self.mode == Mode::Provided;
         let (window, limit) = (self.window(state), self.batch_limit);
         let mut batch = Vec::new();
         let mut bytes = 0u64;
         while state.scanned < n {
             let i = (state.start + state.scanned) % n;
-            if !matches!(state.slots[i], Slot::Idle) {
-                state.scanned += 1;
-                continue;
+            match state.slots[i] {
+                Slot::Idle | Slot::Wanted if provided => break,
+                Slot::Idle | Slot::Provided(_) => {}
+                _ => {
+                    state.scanned += 1;
+                    continue;
+                }
             }
             let size = self.source.header.tensors[i].nbytes() as u64;
-            let fits_window = state.held + bytes + size <= window;
+            // Provided destinations were counted (and fitted to the window) when provided.
+            let fits_window = provided || state.held + bytes + size <= window;
             // One tensor larger than the window is read alone once nothing else is held.
             let alone = batch.is_empty() && state.held == 0;
             if !batch.is_empty() && (bytes + size > limit || !fits_window) {
@@ -433,16 +569,21 @@ impl Shared {
             if batch.is_empty() && !fits_window && !alone {
                 break;
             }
-            state.slots[i] = Slot::Reading;
+            let dest = match std::mem::replace(&mut state.slots[i], Slot::Reading) {
+                Slot::Provided(fresh) => Some(fresh),
+                _ => None,
+            };
             state.scanned += 1;
-            batch.push(i);
+            batch.push((i, dest));
             bytes += size;
             // A wrap back to the first tensor starts a new batch (keeps batches in file order).
             if (state.start + state.scanned).is_multiple_of(n) {
                 break;
             }
         }
-        state.held += bytes;
+        if !provided {
+            state.held += bytes;
+        }
         (!batch.is_empty()).then_some(batch)
     }
 
@@ -468,11 +609,12 @@ impl Shared {
                         .0;
                 }
             };
+            let (batch, dests): (Vec<usize>, Vec<Option<Fresh>>) = batch.into_iter().unzip();
             let infos: Vec<&TensorInfo> = batch
                 .iter()
                 .map(|&i| &self.source.header.tensors[i])
                 .collect();
-            let read = self.read(&infos);
+            let read = self.read(&infos, dests);
             let mut state = self.lock();
             match read {
                 Ok((buffers, report)) => {
@@ -503,6 +645,28 @@ impl Shared {
         }
     }
 
+    /// Reads `infos` into their provided destinations, with pread.
+    fn read_provided(
+        &self,
+        infos: &[&TensorInfo],
+        mut dests: Vec<Fresh>,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<(Vec<TensorBytes>, engine::Report)> {
+        let source = &*self.source;
+        let targets = infos
+            .iter()
+            .zip(dests.iter_mut())
+            .map(|(info, dest)| source::Target {
+                source: 0,
+                info,
+                dtype: info.dtype,
+                dest: dest.as_mut_slice(),
+            })
+            .collect();
+        let report = source::read_targets(&[source], targets, Strategy::Pread, &self.opts, poll)?;
+        Ok((dests.into_iter().map(Fresh::into_shared).collect(), report))
+    }
+
     /// Makes data bytes `[begin, end)` resident in the file's map where the OS can (the pages
     /// are read and mapped, so the caller's touches do not fault), else hints them to the page
     /// cache; 16 MiB at a time, until stopped. Errors (a file cut short) are left to the touch.
@@ -528,10 +692,24 @@ impl Shared {
         }
     }
 
-    /// Reads one batch: owned buffers, or resident map pages (None for each).
-    fn read(&self, infos: &[&TensorInfo]) -> Result<(Vec<Option<TensorBytes>>, engine::Report)> {
+    /// Reads one batch: owned buffers, provided destinations (`dests`), or resident map pages
+    /// (None for each).
+    fn read(
+        &self,
+        infos: &[&TensorInfo],
+        dests: Vec<Option<Fresh>>,
+    ) -> Result<(Vec<Option<TensorBytes>>, engine::Report)> {
         let source = &*self.source;
         match self.mode {
+            Mode::Provided => {
+                let dests = dests
+                    .into_iter()
+                    .map(|d| d.expect("claimed provided"))
+                    .collect();
+                let mut poll = || self.stop.load(Ordering::Relaxed);
+                let (read, report) = self.read_provided(infos, dests, &mut poll)?;
+                Ok((read.into_iter().map(Some).collect(), report))
+            }
             Mode::Owned(strategy) => {
                 let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
                 let mut poll = || self.stop.load(Ordering::Relaxed);
@@ -642,6 +820,78 @@ mod tests {
         assert_eq!(ahead.held_bytes(), 0);
         let totals = ahead.totals();
         assert!(totals.bytes_read >= served as u64 * (1 << 20));
+        remove(&path, source, ahead);
+    }
+
+    /// A destination outside our allocator, as a device alias would be: a boxed buffer whose
+    /// tag says which tensor it was provided for.
+    fn external(tag: usize, len: usize) -> Fresh {
+        let mut memory = vec![0xA5u8; len].into_boxed_slice();
+        let ptr = memory.as_mut_ptr();
+        // SAFETY: the boxed slice's heap bytes do not move with the box, and `keep` owns them
+        // (with the tag) for as long as the storage lives.
+        unsafe { Fresh::external(ptr, len, Box::new((tag, memory))) }
+    }
+
+    #[test]
+    fn provided_destinations_are_read_into_in_any_order() {
+        let (path, tensors) = sample("provided", 40, 512 << 10);
+        let source = open(&path);
+        let budget = 4 << 20;
+        let ahead = ReadAhead::new(
+            source.clone(),
+            Mode::Provided,
+            ReadOptions::default(),
+            budget,
+        );
+        assert!(
+            owned(&source, budget).wanted(0).is_empty(),
+            "only provided mode asks"
+        );
+        // Backwards over the odd tensors, then forwards over the even ones.
+        let order: Vec<usize> = (0..40)
+            .rev()
+            .filter(|i| i % 2 == 1)
+            .chain((0..40).filter(|i| i % 2 == 0))
+            .collect();
+        let mut asked = 0;
+        for &i in &order {
+            let wanted = ahead.wanted(i);
+            asked += wanted.len();
+            let size = |j: usize| source.header.tensors[j].nbytes() as u64;
+            // The tensor asked for first (unless provided already), then no more than the
+            // window beyond what is held.
+            if let Some(at) = wanted.iter().position(|&j| j == i) {
+                assert_eq!(at, 0);
+            }
+            let dests = wanted.iter().map(|&j| external(j, size(j) as usize));
+            ahead.provide(&wanted, Some(dests.collect())).unwrap();
+            let bytes = ahead
+                .take(i, true, &mut || false)
+                .unwrap()
+                .expect("provided just now");
+            assert_eq!(bytes.as_slice(), &tensors[i].1[..], "tensor {i}");
+            // The bytes are in the destination provided for this tensor, not a copy.
+            let keep = bytes.keep().expect("external memory");
+            let (tag, _) = keep.downcast_ref::<(usize, Box<[u8]>)>().unwrap();
+            assert_eq!(*tag, i);
+            assert!(ahead.held_bytes() <= budget, "held {}", ahead.held_bytes());
+        }
+        // Every tensor was provided once, and nothing is held once all were taken.
+        assert_eq!(asked, 40);
+        assert_eq!(ahead.held_bytes(), 0);
+        assert!(ahead.take(3, true, &mut || false).unwrap().is_none());
+        // A destination of the wrong size is refused, and the tensor goes back to its caller.
+        let source2 = open(&path);
+        let fresh = ReadAhead::new(source2, Mode::Provided, ReadOptions::default(), budget);
+        let wanted = fresh.wanted(5);
+        let mut dests: Vec<Fresh> = wanted.iter().map(|&j| external(j, 512 << 10)).collect();
+        dests[0] = external(5, 7);
+        let err = fresh.provide(&wanted, Some(dests)).unwrap_err();
+        assert!(err.to_string().contains("t005"), "{err}");
+        assert_eq!(fresh.held_bytes(), 0);
+        assert!(fresh.take(5, true, &mut || false).unwrap().is_none());
+        drop(fresh);
         remove(&path, source, ahead);
     }
 

@@ -8,6 +8,8 @@ synchronize calls around the writes, and the fallback when the alias is missing,
 from __future__ import annotations
 
 import os
+import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -27,8 +29,9 @@ from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tenso
 
 
 class Recorder:
-    """What a load did, in order: ("sync",), ("alias", nbytes), ("read_into", address, offset,
-    length), ("host_read", method), ("host_alloc", nbytes), ("device_alloc", nbytes), ("to",)."""
+    """What a load did, in order: ("sync",), ("alias", nbytes, address), ("read_into", address,
+    offset, length), ("host_read", method), ("host_alloc", nbytes), ("device_alloc", nbytes),
+    ("to",)."""
 
     def __init__(self) -> None:
         self.events = []
@@ -125,7 +128,7 @@ def fake_mps(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
     def alias(storage):
-        rec.events.append(("alias", storage.nbytes()))
+        rec.events.append(("alias", storage.nbytes(), storage.data_ptr()))
         if rec.alias_error is not None:
             raise rec.alias_error
         return storage if rec.alias_result is None else rec.alias_result(storage)
@@ -261,7 +264,9 @@ def test_get_tensors_and_load_file(write_st, fake_mps, backend):
     assert_same(got, ref)
 
 
-def test_get_tensor(write_st, fake_mps):
+def test_get_tensor(write_st, fake_mps, monkeypatch):
+    """With read-ahead off, each get_tensor is one aliased write of its own."""
+    monkeypatch.setenv("SAFELOAD_READAHEAD_BYTES", "0")
     path = write_st(every_dtype(2))
     ref = st_torch.load_file(path)
     with safeload.safe_open(path, "pt", device="mps:0") as f:
@@ -273,6 +278,92 @@ def test_get_tensor(write_st, fake_mps):
             assert len(fake_mps.writes) == (1 if ref[name].nbytes else 0)
         with pytest.raises(SafetensorError, match="File does not contain tensor nope"):
             f.get_tensor("nope")
+
+
+def check_read_ahead(rec, got, ref):
+    """Tensors the read-ahead handed over: each allocated on the device once and written through
+    its alias by the reader (no per-tensor read_into, no host read, no host copy, no .to), each
+    returned tensor the memory that was aliased, a synchronize before any of it was handed out."""
+    assert _mps.last_path == "alias"
+    for kind in ("host_read", "to", "read_into"):
+        assert not rec.kinds(kind), rec.kinds(kind)
+    assert [e for e in rec.kinds("host_alloc") if e[1]] == []
+    assert sorted(e[1] for e in rec.kinds("device_alloc")) == sorted(t.nbytes for t in ref.values())
+    aliased = {e[2] for e in rec.kinds("alias")}
+    assert len(aliased) == sum(1 for t in ref.values() if t.nbytes)
+    for name, t in got.items():
+        if t.nbytes:
+            assert t.untyped_storage().data_ptr() in aliased, name
+    assert rec.kinds("sync")
+
+
+@pytest.mark.parametrize("budget,limit", [("96KiB", 96 << 10), ("256MiB", 256 << 20)])
+def test_get_tensor_loop_reads_ahead_into_device_memory(write_st, fake_mps, monkeypatch, budget, limit):
+    """The seed's loop on MPS (``for name in names: f.get_tensor(name)``), in a shuffled order:
+    the read-ahead writes every tensor straight into MPS memory, within its budget."""
+    monkeypatch.setenv("SAFELOAD_READAHEAD_BYTES", budget)
+    path = write_st(every_dtype(9))
+    ref = st_torch.load_file(path)
+    names = sorted(ref)
+    random.Random(9).shuffle(names)
+    got = {}
+    biggest = max(t.nbytes for t in ref.values())
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        for name in names:
+            got[name] = f.get_tensor(name)
+            held = f._handle.readahead_bytes
+            assert held <= max(limit, biggest), held
+    check_read_ahead(fake_mps, got, ref)
+    assert_same(got, ref)
+    check_storages(got)
+
+
+def test_get_slice_from_four_threads_reads_ahead(write_st, fake_mps, monkeypatch):
+    """transformers on Apple silicon: ``get_slice(k)[...]`` for every key from a pool of 4
+    threads, on a ``device="mps", backend="pread"`` handle; parts of a tensor still read on the
+    host and move to the device."""
+    path = write_st(every_dtype(10))
+    ref = st_torch.load_file(path)
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps", backend="pread") as f:
+        slices = {name: f.get_slice(name) for name in f.keys()}
+        with ThreadPoolExecutor(4) as pool:
+            got = dict(zip(slices, pool.map(lambda s: s[...], slices.values())))
+        check_read_ahead(fake_mps, got, ref)
+        assert_same(got, ref)
+        fake_mps.clear()
+        # A part of a tensor: read on the host, then moved (the stand-in's .to records it).
+        monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: fake_mps.events.append(("to",)) or t)
+        part = slices["big"][2:5]
+        assert fake_mps.kinds("to") and not fake_mps.kinds("device_alloc")
+        assert_tensor_equal(part, ref["big"][2:5], "big[2:5]")
+
+
+def test_read_ahead_falls_back_when_the_alias_raises(write_st, fake_mps):
+    path = write_st(every_dtype(11))
+    ref = st_torch.load_file(path)
+    fake_mps.alias_error = RuntimeError("getHostAliasStorage: storage is not backed by shared memory")
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        got = {name: f.get_tensor(name) for name in reversed(f.keys())}
+    assert _mps.last_path == "fallback" and _mps.alias_usable is False
+    assert_same(got, ref)
+
+
+def test_read_ahead_error_raises(write_st, fake_mps):
+    """A file cut short under the read-ahead (after open, before the loop): the tensors past
+    the cut raise, the others are right; never bad bytes."""
+    tensors = {f"t{i}": make_tensor("F32", (4096,), i) for i in range(8)}
+    path = write_st(tensors)
+    ref = st_torch.load_file(path)
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        names = f.offset_keys()
+        os.truncate(path, os.path.getsize(path) - 3 * 4096 * 4)
+        for name in names[:5]:
+            assert_tensor_equal(f.get_tensor(name), ref[name], name)
+        for name in names[5:]:
+            with pytest.raises(SafetensorError, match=name):
+                f.get_tensor(name)
 
 
 def test_large_tensor_no_host_copy(write_st, fake_mps):

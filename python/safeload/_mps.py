@@ -14,9 +14,15 @@ returns None so the caller takes the host-then-``.to`` path (:class:`safeload._s
 instead: never a wrong value. A missing or raising alias is remembered for the process
 (:data:`alias_usable`); other failures only affect the load at hand.
 
+Tensors pulled one at a time (``get_tensor`` loops, ``get_slice(k)[...]`` from several threads)
+go through the Rust reader's read-ahead instead (:func:`take`): it asks for the destinations of
+the tensors it is about to read, :func:`_allocator` makes them here, on the caller's thread (MPS
+memory and its alias, then one ``synchronize``), and the reader's workers write the file's bytes
+into them in file order while the caller works on the tensors it already has.
+
 The parts are separate so the path is tested on Linux with a CPU stand-in for the device
 (``tests/test_mps.py``): :func:`plan_writes` (pure: the read calls, coalesced where both the file
-bytes and the destinations are contiguous) and :func:`load`.
+bytes and the destinations are contiguous), :func:`load` and :func:`take`.
 """
 
 from __future__ import annotations
@@ -66,6 +72,68 @@ def _synchronize(torch: Any) -> None:
     torch.mps.synchronize()
 
 
+def _destination(torch: Any, alias_fn: Callable[[Any], Any], device: Any, name: str, code: str,
+                 shape: List[int], nbytes: int) -> Tuple[Any, Any, Any]:
+    """A tensor of ``nbytes`` on the device, and a uint8 CPU tensor over its alias that the reader
+    writes (None for an empty one), and the alias (keeps the memory mapped). Raises when the
+    device refuses the allocation or the alias fails or looks wrong (``alias_usable`` then False)."""
+    global alias_usable
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    tensor = raw.view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
+    if nbytes == 0:
+        return tensor, None, None
+    try:
+        alias = alias_fn(raw.untyped_storage())
+        at = raw.storage_offset()
+        if alias.device.type != "cpu" or alias.nbytes() < at + nbytes or not alias.data_ptr():
+            raise RuntimeError(f"alias of {alias.nbytes()} bytes on {alias.device} for {at}+{nbytes}")
+    except Exception as e:  # noqa: BLE001 - any alias failure: host path instead
+        logger.debug("MPS: torch.mps._host_alias_storage failed (%s); loading through host memory", e)
+        alias_usable = False
+        raise
+    alias_usable = True
+    view = torch.empty(0, dtype=torch.uint8).set_(alias)  # CPU tensor over the alias
+    return tensor, view[at:at + nbytes], alias
+
+
+def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Callable[[Any], Any]:
+    """What the read-ahead calls for destinations (``Handle.take_into``): for each (name, dtype
+    code, shape, bytes), the device tensor and the host view it reads into; None, having made
+    nothing it keeps, when any of them fails (those tensors are then read the fallback way)."""
+
+    def allocate(items: Sequence[Tuple[str, str, List[int], int]]) -> Optional[List[Tuple[Any, Any]]]:
+        pairs: List[Tuple[Any, Any]] = []
+        try:
+            for name, code, shape, nbytes in items:
+                tensor, view, _ = _destination(torch, alias_fn, device, name, code, shape, nbytes)
+                pairs.append((tensor, torch.empty(0, dtype=torch.uint8) if view is None else view))
+        except Exception as e:  # noqa: BLE001
+            if alias_usable is not False:
+                logger.debug("MPS: device allocation failed (%s); reading on demand", e)
+            return None
+        _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
+        return pairs
+
+    return allocate
+
+
+def take(handle: Handle, device: Any, name: str, indices: Any = None) -> Optional[Any]:
+    """Tensor ``name`` (or ``[indices]`` when they cover it) on MPS from the handle's read-ahead,
+    which writes it and the tensors after it straight into MPS memory through host aliases; None
+    when the read-ahead does not serve it (a part of a tensor, read-ahead off, no usable alias):
+    the caller then reads it the per-tensor way."""
+    global last_path
+    import torch
+
+    alias_fn = _alias_function(torch)
+    if alias_fn is None or alias_usable is False:
+        return None
+    tensor = handle.take_into(name, _allocator(torch, alias_fn, device), indices)
+    if tensor is not None:
+        last_path = "alias"
+    return tensor
+
+
 def load(
     handles: Sequence[Handle],
     wanted: Sequence[Sequence[Info]],
@@ -97,26 +165,11 @@ def load(
     try:
         for source, infos in enumerate(wanted):
             for name, code, shape, begin, end in infos:
-                nbytes = end - begin
-                raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-                out[name] = raw.view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
-                if nbytes == 0:
-                    continue
-                try:
-                    alias = alias_fn(raw.untyped_storage())
-                    at = raw.storage_offset()
-                    if alias.device.type != "cpu" or alias.nbytes() < at + nbytes or not alias.data_ptr():
-                        raise RuntimeError(
-                            f"alias of {alias.nbytes()} bytes on {alias.device} for {at}+{nbytes}")
-                except Exception as e:  # noqa: BLE001 - any alias failure: host path instead
-                    logger.debug("MPS: torch.mps._host_alias_storage failed (%s); loading through "
-                                 "host memory", e)
-                    alias_usable = False
-                    raise
-                alias_usable = True
-                aliases.append(alias)
-                view = torch.empty(0, dtype=torch.uint8).set_(alias)  # CPU tensor over the alias
-                spans.append((source, begin, nbytes, view[at:at + nbytes]))
+                tensor, view, alias = _destination(torch, alias_fn, device, name, code, shape, end - begin)
+                out[name] = tensor
+                if view is not None:
+                    aliases.append(alias)
+                    spans.append((source, begin, end - begin, view))
     except Exception as e:  # noqa: BLE001
         if alias_usable is not False:
             logger.debug("MPS: device allocation failed (%s); loading through host memory", e)

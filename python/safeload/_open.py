@@ -6,7 +6,7 @@ import operator
 import os
 from typing import Any, Dict, List, Optional
 
-from . import _device, _logging, _staging
+from . import _device, _logging, _mps, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
@@ -133,10 +133,21 @@ class safe_open:
 
     def get_tensor(self, name: str) -> Any:
         """Reads one tensor into memory it owns."""
-        if self._device is not None:  # accelerator: through the staging ring
+        if self._device is not None:
+            tensor = self._take_on_device(self._handle, name)
+            if tensor is not None:
+                return tensor
+            # One tensor through the staging ring (CUDA) or its own alias (MPS).
             return _staging.load_to_device(self._handle, self._device, names=[name])[name]
         name, code, shape, data = self._handle.read(name)
         return self._tensor(name, code, shape, data)
+
+    def _take_on_device(self, handle: Handle, name: str, indices: Any = None) -> Any:
+        """A whole tensor from the reader's read-ahead straight into device memory, where the
+        device allows it (MPS through the host alias); None otherwise."""
+        if self._device.type == "mps":
+            return _mps.take(handle, self._device, name, indices)
+        return None
 
     def get_tensors(self, *, dtype: Any = None) -> Dict[str, Any]:
         """Reads every tensor at once with the parallel reader; dict in file order. ``dtype``
@@ -271,6 +282,10 @@ class SafeSlice:
         indices = _expand(key, len(self._shape))
         if self._owner._framework == "pytorch":
             indices = _torch_bounds(indices, self._shape)
+        if self._owner._device is not None:
+            tensor = self._owner._take_on_device(self._handle, self._name, indices)
+            if tensor is not None:
+                return tensor
         code, shape, data = self._handle.read_slice(self._name, indices)
         return self._owner._tensor(self._name, code, shape, data)
 

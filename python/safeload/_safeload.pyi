@@ -1,7 +1,7 @@
 """Types of the Rust extension module ``safeload._safeload``."""
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
 
@@ -96,6 +96,12 @@ class Handle:
     def read_into(self, dest: Any, offset: int) -> int: ...
     def read_many(self, names: Optional[List[str]] = None, dtype: Optional[str] = None) -> List[_TensorTuple]: ...
     def read_slice(self, name: str, indices: Sequence[Any]) -> Tuple[str, List[int], Bytes]: ...
+    def take_into(
+        self,
+        name: str,
+        allocate: Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]],
+        indices: Optional[Sequence[Any]] = None,
+    ) -> Optional[Any]: ...
 
 _Stats = Tuple[str, int, int, int, float, str]
 

@@ -122,6 +122,16 @@ impl<'py> Destinations<'py> {
         Ok(Destinations { held })
     }
 
+    /// Every destination as memory that outlives this borrow: (capsule, first byte, length).
+    /// The capsule keeps the memory alive; whoever holds it must not let anything else touch
+    /// the bytes while they are read into.
+    pub fn into_owned(self) -> Vec<(Py<PyAny>, *mut u8, usize)> {
+        self.held
+            .into_iter()
+            .map(|h| (h._capsule.unbind(), h.ptr, h.len))
+            .collect()
+    }
+
     /// The dtype of each destination (None: an element type the format does not have).
     pub fn dtypes(&self) -> Vec<Option<Dtype>> {
         self.held.iter().map(|h| h.dtype).collect()

@@ -10,6 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
+use crate::buffer::Fresh;
 use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::Error;
@@ -102,11 +103,17 @@ impl Handle {
         }
     }
 
-    fn ahead(&self, source: &Arc<Source>) -> Option<&ReadAhead> {
+    /// The handle's read-ahead, made at the first call: into `provided` destinations (see
+    /// `take_into`), or the handle's own memory or page cache.
+    fn ahead(&self, source: &Arc<Source>, provided: bool) -> Option<&ReadAhead> {
         self.ahead
             .get_or_init(|| {
                 let budget = readahead::budget_from_env();
-                let mode = Mode::for_strategy(self.strategy());
+                let mode = if provided {
+                    Mode::Provided
+                } else {
+                    Mode::for_strategy(self.strategy())
+                };
                 (budget > 0).then(|| ReadAhead::new(source.clone(), mode, self.opts, budget))
             })
             .as_ref()
@@ -125,7 +132,9 @@ impl Handle {
             .header
             .index_of(&info.name)
             .expect("info comes from this header");
-        if let Some(ahead) = self.ahead(source) {
+        if let Some(ahead) = self.ahead(source, false)
+            && ahead.mode() != Mode::Provided
+        {
             let taken = detached(py, |poll| ahead.take(index, true, poll))?;
             if let Some(bytes) = taken {
                 return Ok((
@@ -402,7 +411,7 @@ impl Handle {
         // order (not when the tensors were read into memory, converting).
         if names.is_none()
             && ran == Strategy::Mmap
-            && let Some(ahead) = self.ahead(&source)
+            && let Some(ahead) = self.ahead(&source, false)
         {
             ahead.want_all();
         }
@@ -426,6 +435,56 @@ impl Handle {
         Ok(report.bytes)
     }
 
+    /// Tensor `name` whole (or `[indices]` when they cover it) for a device whose memory the host
+    /// can write (MPS, through torch's host alias): the read-ahead reads it, and the tensors after
+    /// it in file order within its budget, straight into device memory. `allocate(items)` makes
+    /// that memory on this thread: `items` lists (name, dtype code, shape, bytes) the read-ahead
+    /// needs now; it returns one (tensor, host view) pair per item, the view a contiguous host
+    /// tensor of exactly that many bytes exporting DLPack, or None when it cannot (those tensors
+    /// are not read ahead). Returns the tensor made for `name`, or None: then the caller reads it
+    /// its own way (a part of a tensor, read-ahead off, no destination).
+    #[pyo3(signature = (name, allocate, indices=None))]
+    fn take_into(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        allocate: Bound<'_, PyAny>,
+        indices: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let source = self.source()?;
+        let info = source.tensor(name).map_err(to_py)?;
+        if let Some(indices) = indices {
+            let plan =
+                slice::plan(info.dtype, &info.shape, &parse_indices(&indices)?).map_err(to_py)?;
+            if !covers(&plan, info) {
+                return Ok(None);
+            }
+        }
+        let Some(ahead) = self.ahead(&source, true) else {
+            return Ok(None);
+        };
+        if ahead.mode() != Mode::Provided {
+            return Ok(None);
+        }
+        let index = source.header.index_of(name).expect("found above");
+        let wanted = ahead.wanted(index);
+        if !wanted.is_empty() {
+            // Whatever happens here, the tensors named go back to the read-ahead.
+            let made = destinations(&source, &wanted, &allocate);
+            let failed = made.as_ref().err().map(|e| e.clone_ref(py));
+            let provided = ahead.provide(&wanted, made.ok().flatten()).map_err(to_py);
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            provided?;
+        }
+        let taken = detached(py, |poll| ahead.take(index, true, poll))?;
+        Ok(taken.and_then(|bytes| {
+            let keep = bytes.keep()?.downcast_ref::<Provided>()?;
+            Some(keep.tensor.clone_ref(py))
+        }))
+    }
+
     /// `tensor[indices]`: indices are ints and (start, stop, step) tuples, `...` already expanded.
     /// Returns (dtype, shape, bytes); only the needed byte ranges are read.
     fn read_slice(
@@ -438,7 +497,7 @@ impl Handle {
         let info = source.tensor(name).map_err(to_py)?;
         let indices = parse_indices(indices)?;
         let plan = slice::plan(info.dtype, &info.shape, &indices).map_err(to_py)?;
-        if plan.shape == info.shape && plan.nbytes == info.nbytes() {
+        if covers(&plan, info) {
             // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
             // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
             let (_, code, shape, bytes) = self.whole(py, &source, info)?;
@@ -446,7 +505,7 @@ impl Handle {
         }
         // Part of a tensor the read-ahead already holds: cut from its bytes.
         let held = match self.ahead.get() {
-            Some(Some(ahead)) if ahead.mode() != Mode::PageCache => {
+            Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
                 let index = source.header.index_of(name).expect("found above");
                 detached(py, |poll| ahead.take(index, false, poll))?
             }
@@ -468,6 +527,66 @@ impl Handle {
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
+}
+
+/// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
+fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
+    plan.shape == info.shape && plan.nbytes == info.nbytes()
+}
+
+/// What keeps a destination `take_into` read into alive: the tensor handed back, and the
+/// DLPack capsule of its host-writable view.
+struct Provided {
+    tensor: Py<PyAny>,
+    _capsule: Py<PyAny>,
+}
+
+/// The destinations `allocate` makes for the tensors `wanted` names (see `Handle.take_into`);
+/// None when it returns None.
+fn destinations(
+    source: &Source,
+    wanted: &[usize],
+    allocate: &Bound<'_, PyAny>,
+) -> PyResult<Option<Vec<Fresh>>> {
+    let tensors = &source.header.tensors;
+    let items: Vec<(&str, &'static str, Vec<usize>, usize)> = wanted
+        .iter()
+        .map(|&i| {
+            let t = &tensors[i];
+            (t.name.as_str(), t.dtype.code(), t.shape.clone(), t.nbytes())
+        })
+        .collect();
+    let made = allocate.call1((items,))?;
+    if made.is_none() {
+        return Ok(None);
+    }
+    let pairs: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = made.extract()?;
+    if pairs.len() != wanted.len() {
+        return Err(PyTypeError::new_err(format!(
+            "allocate returned {} destinations for {} tensors",
+            pairs.len(),
+            wanted.len()
+        )));
+    }
+    let names: Vec<&str> = wanted.iter().map(|&i| tensors[i].name.as_str()).collect();
+    let (results, views): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
+    let held = Destinations::borrow(&views, &names)?.into_owned();
+    let fresh = results
+        .into_iter()
+        .zip(held)
+        .map(|(tensor, (capsule, ptr, len))| {
+            let keep = Provided {
+                tensor: tensor.unbind(),
+                _capsule: capsule,
+            };
+            // SAFETY: `capsule` (kept with the bytes) keeps the `len` host-writable bytes at
+            // `ptr` alive; `borrow` checked them contiguous and disjoint from the others here;
+            // `allocate` made them for this read alone, and the tensor over them is not handed
+            // out before they are read (the read-ahead checks each one's size).
+            unsafe { Fresh::external(ptr, len, Box::new(keep)) }
+        })
+        .collect();
+    Ok(Some(fresh))
 }
 
 /// The elements of `plan` cut out of a whole tensor's bytes, into new memory.
