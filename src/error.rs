@@ -35,6 +35,9 @@ pub enum Error {
     /// Memory handed over to read into that cannot take the tensor (size, dtype, overlap,
     /// device); the message is complete.
     Destination(String),
+    /// A prefetch plan, or a request of a prefetch loader, that cannot be served; the message
+    /// is complete (safetensors 0.9's wording).
+    Prefetch(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -92,9 +95,10 @@ impl fmt::Display for Error {
                 Ok(())
             }
             Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
-            Error::Slice(message) | Error::Serialize(message) | Error::Destination(message) => {
-                f.write_str(message)
-            }
+            Error::Slice(message)
+            | Error::Serialize(message)
+            | Error::Destination(message)
+            | Error::Prefetch(message) => f.write_str(message),
             Error::Cancelled => f.write_str("load cancelled"),
         }
     }

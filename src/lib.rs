@@ -15,6 +15,7 @@ pub mod header;
 pub mod plan;
 pub mod platform;
 pub mod pool;
+pub mod prefetch;
 pub mod readahead;
 pub mod serialize;
 pub mod slice;

@@ -130,9 +130,13 @@ struct State {
 
 struct Shared {
     source: Arc<Source>,
+    /// What is read ahead, in file order: the file's tensors, or a plan's (parts of) tensors.
+    items: Vec<TensorInfo>,
     mode: Mode,
     opts: ReadOptions,
     budget: u64,
+    /// The window before anything was taken.
+    first_window: u64,
     /// The most bytes one batch claims (see [`batch_limit`]).
     batch_limit: u64,
     stop: AtomicBool,
@@ -165,7 +169,38 @@ impl ReadAhead {
     /// Read-ahead for `source` in `mode` with at most `budget` bytes of owned memory held
     /// (page cache: [`PAGE_CACHE_FACTOR`] times it). Starts nothing until the first request.
     pub fn new(source: Arc<Source>, mode: Mode, opts: ReadOptions, budget: u64) -> ReadAhead {
-        let n = source.header.tensors.len();
+        let items = source.header.tensors.clone();
+        Self::build(source, items, mode, opts, budget, FIRST_WINDOW)
+    }
+
+    /// Read-ahead of `items` (parts of `source`'s tensors: name, dtype and shape of what is
+    /// read, data offsets of its bytes; in file order, disjoint), started now from the first
+    /// with the whole `budget` as its window: what a prefetch plan asks for. Indices in the
+    /// other calls are indices into `items`.
+    pub fn eager(
+        source: Arc<Source>,
+        items: Vec<TensorInfo>,
+        mode: Mode,
+        opts: ReadOptions,
+        budget: u64,
+    ) -> ReadAhead {
+        let ahead = Self::build(source, items, mode, opts, budget, budget);
+        if !ahead.shared.items.is_empty() {
+            let mut state = ahead.shared.lock();
+            ahead.spawn(&mut state);
+        }
+        ahead
+    }
+
+    fn build(
+        source: Arc<Source>,
+        items: Vec<TensorInfo>,
+        mode: Mode,
+        opts: ReadOptions,
+        budget: u64,
+        first_window: u64,
+    ) -> ReadAhead {
+        let n = items.len();
         let budget = match mode {
             Mode::PageCache => budget.saturating_mul(PAGE_CACHE_FACTOR),
             Mode::Owned(_) | Mode::Provided => budget,
@@ -187,6 +222,8 @@ impl ReadAhead {
         ReadAhead {
             shared: Arc::new(Shared {
                 source,
+                items,
+                first_window,
                 mode,
                 opts,
                 budget,
@@ -202,6 +239,11 @@ impl ReadAhead {
 
     pub fn mode(&self) -> Mode {
         self.shared.mode
+    }
+
+    /// What is read ahead (indices of the other calls index this), in file order.
+    pub fn items(&self) -> &[TensorInfo] {
+        &self.shared.items
     }
 
     /// Tensor `index` (of the header's file-order table) for a caller that wants it whole:
@@ -224,7 +266,7 @@ impl ReadAhead {
             state.start = index;
             self.spawn(&mut state);
         }
-        let size = shared.source.header.tensors[index].nbytes() as u64;
+        let size = shared.items[index].nbytes() as u64;
         loop {
             match &mut state.slots[index] {
                 Slot::Provided(_) => {
@@ -238,7 +280,7 @@ impl ReadAhead {
                     state.taken += size;
                     shared.cv.notify_all();
                     drop(state);
-                    let info = &shared.source.header.tensors[index];
+                    let info = &shared.items[index];
                     let (mut read, report) = shared.read_provided(&[info], vec![fresh], poll)?;
                     let mut state = shared.lock();
                     state.bytes_read += report.bytes;
@@ -274,7 +316,7 @@ impl ReadAhead {
                         // Page cache: the caller maps it; its pages are read here, beside the
                         // workers' (several callers' threads read in parallel).
                         drop(state);
-                        let info = &shared.source.header.tensors[index];
+                        let info = &shared.items[index];
                         shared.populate(info.begin, info.end);
                         shared.lock().hinted += size;
                     }
@@ -321,7 +363,7 @@ impl ReadAhead {
             self.spawn(&mut state);
         }
         let n = state.slots.len();
-        let size = |i: usize| shared.source.header.tensors[i].nbytes() as u64;
+        let size = |i: usize| shared.items[i].nbytes() as u64;
         let mut out = Vec::new();
         let mut held = state.held;
         if matches!(state.slots[index], Slot::Idle) {
@@ -375,7 +417,7 @@ impl ReadAhead {
                 for &i in wanted {
                     if matches!(state.slots[i], Slot::Wanted) {
                         state.slots[i] = Slot::Idle;
-                        state.held -= shared.source.header.tensors[i].nbytes() as u64;
+                        state.held -= shared.items[i].nbytes() as u64;
                     }
                 }
             }
@@ -509,7 +551,7 @@ impl Shared {
 
     /// `dests` as destinations of the tensors `wanted` names: one each, of each one's size.
     fn check(&self, wanted: &[usize], dests: Vec<Fresh>) -> Result<Vec<Fresh>> {
-        let tensors = &self.source.header.tensors;
+        let tensors = &self.items;
         let path = self.source.path.display();
         if dests.len() != wanted.len() {
             return Err(Error::Destination(format!(
@@ -536,7 +578,7 @@ impl Shared {
         if state.want_all {
             return u64::MAX;
         }
-        self.budget.min(FIRST_WINDOW.max(state.taken))
+        self.budget.min(self.first_window.max(state.taken))
     }
 
     /// Claims the next tensors of the walk that fit the window (with their destinations in
@@ -558,7 +600,7 @@ impl Shared {
                     continue;
                 }
             }
-            let size = self.source.header.tensors[i].nbytes() as u64;
+            let size = self.items[i].nbytes() as u64;
             // Provided destinations were counted (and fitted to the window) when provided.
             let fits_window = provided || state.held + bytes + size <= window;
             // One tensor larger than the window is read alone once nothing else is held.
@@ -610,10 +652,7 @@ impl Shared {
                 }
             };
             let (batch, dests): (Vec<usize>, Vec<Option<Fresh>>) = batch.into_iter().unzip();
-            let infos: Vec<&TensorInfo> = batch
-                .iter()
-                .map(|&i| &self.source.header.tensors[i])
-                .collect();
+            let infos: Vec<&TensorInfo> = batch.iter().map(|&i| &self.items[i]).collect();
             let read = self.read(&infos, dests);
             let mut state = self.lock();
             match read {
@@ -636,7 +675,7 @@ impl Shared {
                     for &i in &batch {
                         if matches!(state.slots[i], Slot::Reading) {
                             state.slots[i] = Slot::Done;
-                            state.held -= self.source.header.tensors[i].nbytes() as u64;
+                            state.held -= self.items[i].nbytes() as u64;
                         }
                     }
                 }

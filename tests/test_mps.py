@@ -340,6 +340,26 @@ def test_get_slice_from_four_threads_reads_ahead(write_st, fake_mps, monkeypatch
         assert_tensor_equal(part, ref["big"][2:5], "big[2:5]")
 
 
+def test_prefetch_writes_straight_into_mps_memory(write_st, fake_mps):
+    """safetensors 0.9's ``prefetch(device="mps")``: every tensor read by the loader straight into
+    MPS memory through its alias; a sliced plan allocates only its rows on the device."""
+    path = write_st(every_dtype(12))
+    ref = st_torch.load_file(path)
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt", device="mps") as f:
+        with f.prefetch(budget_bytes=128 << 10) as loader:
+            got = dict(loader)
+    check_read_ahead(fake_mps, got, ref)
+    assert_same(got, ref)
+    fake_mps.clear()
+    with safeload.safe_open(path, "pt") as f:  # a CPU handle, loaded onto MPS
+        with f.prefetch({"big": slice(1, 4)}, device="mps") as loader:
+            rows = loader.take("big")
+    assert [e[1] for e in fake_mps.kinds("device_alloc")] == [ref["big"][1:4].nbytes]
+    assert not fake_mps.kinds("host_read") and not fake_mps.kinds("to")
+    assert_tensor_equal(rows, ref["big"][1:4], "big[1:4]")
+
+
 def test_read_ahead_falls_back_when_the_alias_raises(write_st, fake_mps):
     path = write_st(every_dtype(11))
     ref = st_torch.load_file(path)

@@ -6,6 +6,7 @@ memory each tensor owns, with the GIL released.
 """
 
 from ._open import _safe_open_handle, safe_open  # noqa: F401
+from ._prefetch import PrefetchLoader, PrefetchPlan, TensorMeta  # noqa: F401
 from ._safeload import (  # noqa: F401
     SafetensorError,
     TensorSpec,
@@ -19,7 +20,10 @@ from ._safeload import (  # noqa: F401
 from .patch import patch, patched, unpatch  # noqa: F401,E402  (rebinds safeload.patch to the function)
 
 __all__ = [
+    "PrefetchLoader",
+    "PrefetchPlan",
     "SafetensorError",
+    "TensorMeta",
     "TensorSpec",
     "__version__",
     "deserialize",

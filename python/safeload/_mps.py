@@ -102,6 +102,7 @@ def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Calla
     nothing it keeps, when any of them fails (those tensors are then read the fallback way)."""
 
     def allocate(items: Sequence[Tuple[str, str, List[int], int]]) -> Optional[List[Tuple[Any, Any]]]:
+        global last_path
         pairs: List[Tuple[Any, Any]] = []
         try:
             for name, code, shape, nbytes in items:
@@ -112,6 +113,7 @@ def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Calla
                 logger.debug("MPS: device allocation failed (%s); reading on demand", e)
             return None
         _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
+        last_path = "alias"
         return pairs
 
     return allocate
@@ -122,16 +124,12 @@ def take(handle: Handle, device: Any, name: str, indices: Any = None) -> Optiona
     which writes it and the tensors after it straight into MPS memory through host aliases; None
     when the read-ahead does not serve it (a part of a tensor, read-ahead off, no usable alias):
     the caller then reads it the per-tensor way."""
-    global last_path
     import torch
 
     alias_fn = _alias_function(torch)
     if alias_fn is None or alias_usable is False:
         return None
-    tensor = handle.take_into(name, _allocator(torch, alias_fn, device), indices)
-    if tensor is not None:
-        last_path = "alias"
-    return tensor
+    return handle.take_into(name, _allocator(torch, alias_fn, device), indices)
 
 
 def load(

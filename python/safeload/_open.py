@@ -6,7 +6,7 @@ import operator
 import os
 from typing import Any, Dict, List, Optional
 
-from . import _device, _logging, _mps, _staging
+from . import _device, _logging, _mps, _prefetch, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
@@ -165,6 +165,27 @@ class safe_open:
         if self._device is not None:
             tensors = {name: t.to(self._device) for name, t in tensors.items()}
         return tensors
+
+    def get_tensor_meta(self, name: str) -> "_prefetch.TensorMeta":
+        """dtype, shape and data offsets of one tensor (safetensors 0.9); reads no data."""
+        code, shape, begin, end = self._handle.meta(name)
+        return _prefetch.TensorMeta(code, shape, (begin, end))
+
+    def prefetch(
+        self,
+        plan: Optional["_prefetch.PrefetchPlan"] = None,
+        *,
+        device: Any = None,
+        threads: Optional[int] = 8,
+        budget_bytes: Optional[int] = None,
+    ) -> "_prefetch.PrefetchLoader":
+        """Starts reading ``plan`` (every tensor when None; else ``name -> None | slice`` of the
+        first dimension) in the background, in file order, and returns a
+        :class:`~safeload.PrefetchLoader` at once (safetensors 0.9). ``device``: the handle's
+        when None. At most ``budget_bytes`` are read and not taken yet
+        (``$SAFELOAD_PREFETCH_BYTES``, default 1 GiB)."""
+        return _prefetch.start(self._handle, self._convert, self._device, plan, device, threads,
+                               budget_bytes)
 
     def get_slice(self, name: str) -> "SafeSlice":
         """A lazy view of a tensor; index it to read only the bytes needed."""

@@ -10,7 +10,8 @@ use pyo3::types::{PyDict, PyTuple};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
-use crate::buffer::Fresh;
+use super::prefetch::{self, Prefetch};
+use super::provided;
 use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::Error;
@@ -340,6 +341,38 @@ impl Handle {
         Ok(Some(dict))
     }
 
+    /// (dtype code, shape, begin, end) of one tensor, data offsets relative to the data area.
+    fn meta(&self, name: &str) -> PyResult<(&'static str, Vec<usize>, usize, usize)> {
+        let source = self.source()?;
+        let t = source.tensor(name).map_err(to_py)?;
+        Ok((t.dtype.code(), t.shape.clone(), t.begin, t.end))
+    }
+
+    /// safetensors 0.9's `prefetch`: starts reading `plan` (a dict `name -> None | slice` of the
+    /// first dimension; every tensor when None) in the background, in file order, with at most
+    /// `budget_bytes` read and not taken (`SAFELOAD_PREFETCH_BYTES`, default 1 GiB), and returns
+    /// the loader at once. `provided`: into destinations the loader's `take` gets made (devices).
+    #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, provided=false))]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        plan: Option<Bound<'_, PyDict>>,
+        threads: Option<usize>,
+        budget_bytes: Option<u64>,
+        provided: bool,
+    ) -> PyResult<Prefetch> {
+        let source = self.source()?;
+        let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
+        let mut opts = self.opts;
+        if let Some(t) = threads {
+            opts.threads = Some(t.max(1));
+        }
+        let strategy = self.strategy();
+        let budget = budget_bytes.unwrap_or_else(prefetch::budget_from_env);
+        py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
+            .map_err(to_py)
+    }
+
     /// (dtype code, shape) of one tensor.
     fn info(&self, name: &str) -> PyResult<(&'static str, Vec<usize>)> {
         let source = self.source()?;
@@ -467,22 +500,9 @@ impl Handle {
             return Ok(None);
         }
         let index = source.header.index_of(name).expect("found above");
-        let wanted = ahead.wanted(index);
-        if !wanted.is_empty() {
-            // Whatever happens here, the tensors named go back to the read-ahead.
-            let made = destinations(&source, &wanted, &allocate);
-            let failed = made.as_ref().err().map(|e| e.clone_ref(py));
-            let provided = ahead.provide(&wanted, made.ok().flatten()).map_err(to_py);
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            provided?;
-        }
+        provided::provide(py, ahead, index, &allocate)?;
         let taken = detached(py, |poll| ahead.take(index, true, poll))?;
-        Ok(taken.and_then(|bytes| {
-            let keep = bytes.keep()?.downcast_ref::<Provided>()?;
-            Some(keep.tensor.clone_ref(py))
-        }))
+        Ok(taken.and_then(|bytes| provided::tensor(py, &bytes)))
     }
 
     /// `tensor[indices]`: indices are ints and (start, stop, step) tuples, `...` already expanded.
@@ -532,61 +552,6 @@ impl Handle {
 /// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
 fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
     plan.shape == info.shape && plan.nbytes == info.nbytes()
-}
-
-/// What keeps a destination `take_into` read into alive: the tensor handed back, and the
-/// DLPack capsule of its host-writable view.
-struct Provided {
-    tensor: Py<PyAny>,
-    _capsule: Py<PyAny>,
-}
-
-/// The destinations `allocate` makes for the tensors `wanted` names (see `Handle.take_into`);
-/// None when it returns None.
-fn destinations(
-    source: &Source,
-    wanted: &[usize],
-    allocate: &Bound<'_, PyAny>,
-) -> PyResult<Option<Vec<Fresh>>> {
-    let tensors = &source.header.tensors;
-    let items: Vec<(&str, &'static str, Vec<usize>, usize)> = wanted
-        .iter()
-        .map(|&i| {
-            let t = &tensors[i];
-            (t.name.as_str(), t.dtype.code(), t.shape.clone(), t.nbytes())
-        })
-        .collect();
-    let made = allocate.call1((items,))?;
-    if made.is_none() {
-        return Ok(None);
-    }
-    let pairs: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = made.extract()?;
-    if pairs.len() != wanted.len() {
-        return Err(PyTypeError::new_err(format!(
-            "allocate returned {} destinations for {} tensors",
-            pairs.len(),
-            wanted.len()
-        )));
-    }
-    let names: Vec<&str> = wanted.iter().map(|&i| tensors[i].name.as_str()).collect();
-    let (results, views): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
-    let held = Destinations::borrow(&views, &names)?.into_owned();
-    let fresh = results
-        .into_iter()
-        .zip(held)
-        .map(|(tensor, (capsule, ptr, len))| {
-            let keep = Provided {
-                tensor: tensor.unbind(),
-                _capsule: capsule,
-            };
-            // SAFETY: `capsule` (kept with the bytes) keeps the `len` host-writable bytes at
-            // `ptr` alive; `borrow` checked them contiguous and disjoint from the others here;
-            // `allocate` made them for this read alone, and the tensor over them is not handed
-            // out before they are read (the read-ahead checks each one's size).
-            unsafe { Fresh::external(ptr, len, Box::new(keep)) }
-        })
-        .collect();
-    Ok(Some(fresh))
 }
 
 /// The elements of `plan` cut out of a whole tensor's bytes, into new memory.

@@ -8,6 +8,8 @@ mod convert;
 mod dlpack;
 mod errors;
 mod handle;
+mod prefetch;
+mod provided;
 mod write;
 
 use pyo3::prelude::*;
@@ -35,6 +37,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<handle::Handle>()?;
+    m.add_class::<prefetch::Prefetch>()?;
     m.add_class::<write::TensorSpec>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
     m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;

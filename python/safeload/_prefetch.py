@@ -1,0 +1,158 @@
+"""safetensors 0.9's prefetch API (PR #859's shape): ``safe_open.get_tensor_meta`` and
+``safe_open.prefetch`` -> :class:`PrefetchLoader`, on every device.
+
+The plan is read by the Rust reader's read-ahead (``Handle.prefetch``, ``src/py/prefetch.rs``):
+in file order, by its worker pool, from the moment the loader is made, with at most
+``budget_bytes`` read and not taken yet. This module only makes tensors of what it hands over:
+
+- CPU: the bytes become framework tensors (owned memory; views of the map where the handle maps).
+- MPS (torch's host alias): the reader writes straight into MPS tensors that :mod:`safeload._mps`
+  allocates, one write per byte, no host copy.
+- CUDA: the reader writes into pinned host tensors (the staging memory, bounded by the budget),
+  and each one is copied to the device with ``non_blocking=True`` when it is taken, on the stream
+  current then, while the reader goes on with the next ones; torch's pinned allocator keeps each
+  staging block until its copy is done, and device memory is each tensor's own (freed when it is
+  dropped).
+- Other torch devices: host memory, then ``.to(device)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from . import _device, _mps
+from ._frameworks import torch_dtype, torch_shape
+from ._safeload import Prefetch
+
+#: A prefetch plan: tensor name -> None (the whole tensor) or a step-1 slice of its first dimension.
+PrefetchPlan = Dict[str, Optional[slice]]
+
+Allocate = Callable[[Sequence[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What ``get_tensor_meta`` returns: the header entry, no data read."""
+
+    dtype: str
+    shape: List[int]
+    data_offsets: Tuple[int, int]
+
+
+def _pinned(torch: Any, nbytes: int) -> Any:
+    """Pinned host memory for CUDA staging (tests replace it with plain memory)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _to_device(tensor: Any, device: Any) -> Any:
+    """A staged tensor's copy on the device, queued on the current stream (tests replace it)."""
+    return tensor.to(device, non_blocking=True)
+
+
+def _pinned_allocator(torch: Any) -> Allocate:
+    """Destinations for CUDA: pinned host tensors, typed as the tensors they stage."""
+
+    def allocate(items: Sequence[Tuple[str, str, List[int], int]]) -> List[Tuple[Any, Any]]:
+        pairs = []
+        for name, code, shape, nbytes in items:
+            raw = _pinned(torch, nbytes)
+            pairs.append((raw.view(torch_dtype(code, name)).reshape(torch_shape(code, shape)), raw))
+        return pairs
+
+    return allocate
+
+
+class PrefetchLoader:
+    """Tensors of a prefetch plan as they land: ``take(name)`` (each once), iteration yielding
+    ``(name, tensor)`` in file order (skipping taken ones), ``names()``, ``len()``, ``close()``
+    and use as a context manager. Outlives its handle; tensors handed out outlive it."""
+
+    def __init__(self, native: Prefetch, convert: Callable[..., Any], device: Any,
+                 allocate: Optional[Allocate], staged: bool) -> None:
+        self._native = native
+        self._convert = convert
+        self._device = device  # None: the CPU
+        self._allocate = allocate
+        self._staged = staged  # CUDA: provided tensors are pinned staging, copied at take
+
+    def names(self) -> List[str]:
+        """The plan's names, in file order."""
+        return self._native.names()
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most bytes read ahead and not taken at once."""
+        return self._native.budget_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes read ahead and not taken yet."""
+        return self._native.held_bytes
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the file so far."""
+        return self._native.bytes_read
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def take(self, name: str) -> Any:
+        """The tensor (or the planned rows of it), waiting for its bytes."""
+        got = self._native.take(name, self._allocate)
+        if not isinstance(got, tuple):  # read into a destination made here
+            return _to_device(got, self._device) if self._staged else got
+        name, code, shape, data = got
+        tensor = self._convert(code, shape, data, name)
+        return tensor if self._device is None else tensor.to(self._device)
+
+    def __iter__(self) -> Iterator[Tuple[str, Any]]:
+        while True:
+            name = self._native.pending()
+            if name is None:
+                return
+            yield name, self.take(name)
+
+    def close(self) -> None:
+        """Stops reading and frees what was not taken; tensors handed out keep their memory."""
+        self._native.close()
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self)} tensors"
+        return f"PrefetchLoader({state}, budget_bytes={self.budget_bytes})"
+
+
+def start(handle: Any, convert: Callable[..., Any], handle_device: Any, plan: Optional[PrefetchPlan],
+          device: Any, threads: Optional[int], budget_bytes: Optional[int]) -> PrefetchLoader:
+    """``safe_open.prefetch``: the loader of ``plan`` onto ``device`` (the handle's when None)."""
+    if device is None:
+        target = handle_device
+    else:
+        name = _device.parse(device)
+        target = None if name == "cpu" else _device.torch_device(name)  # type: ignore[arg-type]
+    allocate: Optional[Allocate] = None
+    staged = False
+    if target is not None and target.type == "mps":
+        import torch
+
+        alias_fn = _mps._alias_function(torch)
+        if alias_fn is not None and _mps.alias_usable is not False:
+            allocate = _mps._allocator(torch, alias_fn, target)
+    elif target is not None and target.type == "cuda":
+        import torch
+
+        allocate, staged = _pinned_allocator(torch), True
+    native = handle.prefetch(plan, threads=threads, budget_bytes=budget_bytes,
+                             provided=allocate is not None)
+    return PrefetchLoader(native, convert, target, allocate, staged)

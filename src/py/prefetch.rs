@@ -1,0 +1,256 @@
+//! `Prefetch`: safetensors 0.9's `PrefetchLoader` on the Rust read-ahead. A plan's items are
+//! read in file order by the read-ahead's workers within a memory budget, from the moment the
+//! loader is made, and handed over by `take` (each once); the Python `PrefetchLoader` makes
+//! framework tensors of what it gets.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PySlice};
+
+use super::bytes::Bytes;
+use super::errors::{SafetensorError, detached, to_py};
+use super::handle::TensorTuple;
+use super::provided;
+use crate::error::Error;
+use crate::prefetch::{self, Rows};
+use crate::readahead::{Mode, ReadAhead};
+use crate::source::{self, ReadOptions, Source};
+use crate::storage::Strategy;
+
+/// The loader's budget when neither `budget_bytes=` nor `SAFELOAD_PREFETCH_BYTES` gives one:
+/// bytes read ahead and not taken yet.
+pub(super) const DEFAULT_BUDGET: u64 = 1 << 30;
+
+/// The budget from `SAFELOAD_PREFETCH_BYTES` (bytes, or `1GiB`-style), else [`DEFAULT_BUDGET`].
+pub(super) fn budget_from_env() -> u64 {
+    std::env::var("SAFELOAD_PREFETCH_BYTES")
+        .ok()
+        .and_then(|v| crate::readahead::parse_bytes(&v))
+        .unwrap_or(DEFAULT_BUDGET)
+}
+
+/// A plan dict (`name -> None | slice`), in the dict's order.
+pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows)>> {
+    let mut out = Vec::with_capacity(plan.len());
+    for (name, value) in plan.iter() {
+        let name: String = name.extract()?;
+        let rows = if value.is_none() {
+            Rows::All
+        } else if let Ok(slice) = value.cast::<PySlice>() {
+            let bound = |attr: &str| -> PyResult<Option<i64>> {
+                let v = slice.getattr(attr)?;
+                if v.is_none() {
+                    return Ok(None);
+                }
+                v.extract::<i64>().map(Some).map_err(|_| {
+                    SafetensorError::new_err(format!(
+                        "prefetch plan entry {name}: slice bounds must be ints or None"
+                    ))
+                })
+            };
+            Rows::Slice {
+                start: bound("start")?,
+                stop: bound("stop")?,
+                step: bound("step")?,
+            }
+        } else {
+            return Err(SafetensorError::new_err(format!(
+                "prefetch plan entry {name}: expected None or a slice, got {}",
+                value.get_type().name()?
+            )));
+        };
+        out.push((name, rows));
+    }
+    Ok(out)
+}
+
+#[pyclass(frozen, module = "safeload._safeload")]
+pub struct Prefetch {
+    /// Keeps the file open: a loader may outlive its handle.
+    source: Arc<Source>,
+    ahead: ReadAhead,
+    /// Reads of items the read-ahead has not reached.
+    strategy: Strategy,
+    opts: ReadOptions,
+    index: HashMap<String, usize>,
+    delivered: Mutex<Vec<bool>>,
+    closed: AtomicBool,
+    budget: u64,
+    /// Bytes read by takes the read-ahead had not reached.
+    read_by_takes: AtomicU64,
+}
+
+impl Prefetch {
+    /// A loader of `plan` (every tensor when None) of `source`, reading with `strategy`
+    /// (`provided`: into destinations `take`'s `allocate` makes), at most `budget` bytes ahead.
+    pub(super) fn start(
+        source: Arc<Source>,
+        plan: Option<Vec<(String, Rows)>>,
+        strategy: Strategy,
+        provided: bool,
+        opts: ReadOptions,
+        budget: u64,
+    ) -> Result<Prefetch, Error> {
+        let items = prefetch::items(&source.header, plan.as_deref())?;
+        let index = items
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        let n = items.len();
+        let mode = if provided {
+            Mode::Provided
+        } else {
+            Mode::for_strategy(strategy)
+        };
+        let ahead = ReadAhead::eager(source.clone(), items, mode, opts, budget);
+        Ok(Prefetch {
+            source,
+            ahead,
+            strategy,
+            opts,
+            index,
+            delivered: Mutex::new(vec![false; n]),
+            closed: AtomicBool::new(false),
+            budget,
+            read_by_takes: AtomicU64::new(0),
+        })
+    }
+
+    fn check_open(&self) -> PyResult<()> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(SafetensorError::new_err("the PrefetchLoader is closed"));
+        }
+        Ok(())
+    }
+
+    /// Reads item `i` on the calling thread (the read-ahead has not reached it): owned memory,
+    /// or a view of the map.
+    fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
+        let item = &self.ahead.items()[i];
+        let s: &Source = &self.source;
+        if self.strategy == Strategy::Mmap {
+            return Ok(Bytes::new(s.map_span(item.begin, item.end).map_err(to_py)?));
+        }
+        let (strategy, opts) = (self.strategy, self.opts);
+        let (mut read, report, _) = detached(py, |poll| {
+            source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
+        })?;
+        self.read_by_takes
+            .fetch_add(report.bytes, Ordering::Relaxed);
+        Ok(Bytes::new(read.pop().expect("one item, one read").0))
+    }
+}
+
+#[pymethods]
+impl Prefetch {
+    /// The names in the plan, in file order.
+    fn names(&self) -> Vec<String> {
+        self.ahead.items().iter().map(|t| t.name.clone()).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.ahead.items().len()
+    }
+
+    /// The first name in file order not taken yet (iteration), or None.
+    fn pending(&self) -> PyResult<Option<String>> {
+        self.check_open()?;
+        let delivered = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(delivered
+            .iter()
+            .position(|d| !d)
+            .map(|i| self.ahead.items()[i].name.clone()))
+    }
+
+    /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
+    /// not reached them). Returns (name, dtype code, shape, bytes), or the tensor `allocate`
+    /// made for it when the loader reads into provided destinations (see `Handle.take_into`).
+    #[pyo3(signature = (name, allocate=None))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        allocate: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_open()?;
+        let Some(&i) = self.index.get(name) else {
+            return Err(to_py(Error::Prefetch(format!(
+                "{name} is not in the prefetch plan of {}",
+                self.source.path.display()
+            ))));
+        };
+        {
+            let mut delivered = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
+            if delivered[i] {
+                return Err(to_py(Error::Prefetch(format!(
+                    "{name} was already delivered by this PrefetchLoader"
+                ))));
+            }
+            delivered[i] = true;
+        }
+        let result = (|| {
+            if let Some(allocate) = &allocate
+                && self.ahead.mode() == Mode::Provided
+            {
+                provided::provide(py, &self.ahead, i, allocate)?;
+            }
+            let taken = detached(py, |poll| self.ahead.take(i, true, poll))?;
+            if let Some(bytes) = &taken
+                && let Some(tensor) = provided::tensor(py, bytes)
+            {
+                return Ok(tensor);
+            }
+            let bytes = match taken {
+                Some(bytes) => Bytes::new(bytes),
+                None => self.read_now(py, i)?,
+            };
+            let item = &self.ahead.items()[i];
+            let tuple: TensorTuple = (
+                item.name.clone(),
+                item.dtype.code(),
+                item.shape.clone(),
+                bytes,
+            );
+            Ok(tuple.into_pyobject(py)?.into_any().unbind())
+        })();
+        if result.is_err() {
+            self.delivered.lock().unwrap_or_else(|p| p.into_inner())[i] = false;
+        }
+        result
+    }
+
+    /// Stops reading ahead and frees what was not taken; tensors handed out keep their memory.
+    fn close(&self, py: Python<'_>) {
+        self.closed.store(true, Ordering::Relaxed);
+        py.detach(|| self.ahead.stop());
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Bytes read ahead and not taken yet.
+    #[getter]
+    fn held_bytes(&self) -> u64 {
+        self.ahead.held_bytes()
+    }
+
+    /// The most bytes read ahead and not taken at once.
+    #[getter]
+    fn budget_bytes(&self) -> u64 {
+        self.budget
+    }
+
+    /// Bytes read so far, by the read-ahead (into memory, or into the page cache for a mapped
+    /// file) and by takes it had not reached.
+    #[getter]
+    fn bytes_read(&self) -> u64 {
+        let totals = self.ahead.totals();
+        totals.bytes_read + totals.hinted + self.read_by_takes.load(Ordering::Relaxed)
+    }
+}
