@@ -94,6 +94,8 @@ CONTENDERS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "sl_slices": ("safeload backend='mmap' (what patched transformers passes): get_slice, then [...] from 4 threads",
                   "all", _ALL),
     "sl_get_tensors": ("safeload safe_open(backend='pread').get_tensors()", "all", _ALL),
+    "sl_prefetch": ("safeload prefetch() (safetensors 0.9 API), then take(k) in a random order", "all", _ALL),
+    "sl_prefetch_pread": ("safeload backend='pread': prefetch(), then take(k) in a random order", "all", _ALL),
     "sl_auto": ("safeload safe_open(backend='auto').get_tensors() (backend chosen per file)", "all", _ALL),
     "sl_mmap_clone": ("safeload mmap: get_tensor(k).clone()", "all", _ALL),
     "sl_load_checkpoint": ("safeload.torch.load_checkpoint(index.json, backend='pread')", "sharded", _ALL),
@@ -321,6 +323,21 @@ def _loader(name: str, spec: Dict[str, Any], meta: Dict[str, Any]) -> Callable[[
                     slices = {k: h.get_slice(k) for k in h.keys()}
                     with ThreadPoolExecutor(4) as pool:
                         out.update(zip(slices, pool.map(lambda s: s[...], slices.values())))
+            return out
+    elif name in ("sl_prefetch", "sl_prefetch_pread"):
+        import random
+
+        backend = "pread" if name == "sl_prefetch_pread" else "auto"
+
+        def run() -> Dict[str, Any]:
+            out: Dict[str, Any] = {}
+            for f in files:
+                with safeload.safe_open(f, "pt", backend=backend, threads=threads, chunk_bytes=chunk) as h:
+                    with h.prefetch(threads=threads) as loader:
+                        names = loader.names()
+                        random.Random(0).shuffle(names)
+                        for k in names:
+                            out[k] = loader.take(k)
             return out
     elif name == "sl_get_tensors":
         def run() -> Dict[str, Any]:

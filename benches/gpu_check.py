@@ -215,6 +215,19 @@ def self_check(path: str, nbytes: int, ring: tuple, rounds: int) -> int:
     return 0 if ok else 1
 
 
+def prefetch_all(path: str, device: str) -> dict:
+    """safetensors 0.9's API through safeload: prefetch onto the device, take every tensor."""
+    with safeload.safe_open(path, "pt") as f:
+        with f.prefetch(device=device) as loader:
+            return dict(loader)
+
+
+def st_loop(path: str, device: str) -> dict:
+    """safetensors 0.8's per-tensor CUDA path: get_tensor(k) on a device handle."""
+    with safetensors.safe_open(path, "pt", device=device) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
 def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> int:
     n, b = ring
     dev = torch.device(device)
@@ -237,6 +250,7 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     with safeload.safe_open(path, "pt", device=device) as f:
         for k in list(ref)[:3] + ["extra.scalar_f32", "extra.empty_bf16", "extra.fp8"]:
             problems += [f"get_tensor: {p}" for p in compare({k: f.get_tensor(k)}, {k: ref[k]}, dev)]
+    problems += [f"prefetch: {p}" for p in compare(prefetch_all(path, device), ref, dev)]
     del got, ref, ckpt
     torch.cuda.empty_cache()
     pinned = stats.pinned_bytes if stats else -1
@@ -245,6 +259,8 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     # -- rates ------------------------------------------------------------------------------------
     t_st = timed(lambda: st_torch.load_file(path, device=device), rounds, sync)
     t_sl = timed(lambda: sl_torch.load_file(path, device=device), rounds, sync)
+    t_pf = timed(lambda: prefetch_all(path, device), rounds, sync)
+    t_st_loop = timed(lambda: st_loop(path, device), rounds, sync)
     peak_pinned = max(pinned, _staging.last_stats.pinned_bytes)
 
     # Pinned host-to-device copies alone: the bytes of the checkpoint, buffer by buffer.
@@ -283,6 +299,8 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     rows = [
         row(f"safeload -> {device} (staged, ring {n}x{_size(b)})", nbytes, t_sl, base),
         row(f"safetensors 0.8 -> {device}", nbytes, t_st, base),
+        row(f"safeload prefetch(device={device}) + take all (0.9 API, pinned staging)", nbytes, t_pf, base),
+        row(f"safetensors 0.8 safe_open(device={device}).get_tensor loop", nbytes, t_st_loop, base),
         row("pinned H2D copies alone", nbytes, t_h2d, base),
         row("engine read into pinned ring alone (warm)", nbytes, t_read_ring, base),
         row("safeload CPU load, pread (warm)", nbytes, t_cpu, base),

@@ -248,8 +248,8 @@ impl ReadAhead {
 
     /// Tensor `index` (of the header's file-order table) for a caller that wants it whole:
     /// its read-ahead bytes when they are ready (waiting while a worker reads them), or None:
-    /// then the caller reads it itself. Page-cache mode always returns None (map it), once the
-    /// tensor's pages are resident: read ahead, waited for, or populated by this call. The
+    /// then the caller reads it itself. Page-cache mode always returns None (map it), at once
+    /// when a worker has read or is reading its pages, else once this call has populated them. The
     /// first request starts the read-ahead from this tensor on, when `start` is set.
     pub fn take(
         &self,
@@ -295,6 +295,9 @@ impl ReadAhead {
                     shared.cv.notify_all();
                     return Ok(bytes);
                 }
+                // Page cache: the view needs nothing from the worker; the caller's touches of
+                // pages it is reading wait for those pages only.
+                Slot::Reading if shared.mode == Mode::PageCache => return Ok(None),
                 Slot::Reading | Slot::Wanted => {
                     let (next, _) = shared
                         .cv

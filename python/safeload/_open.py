@@ -176,14 +176,15 @@ class safe_open:
         plan: Optional["_prefetch.PrefetchPlan"] = None,
         *,
         device: Any = None,
-        threads: Optional[int] = 8,
+        threads: Optional[int] = None,
         budget_bytes: Optional[int] = None,
     ) -> "_prefetch.PrefetchLoader":
         """Starts reading ``plan`` (every tensor when None; else ``name -> None | slice`` of the
         first dimension) in the background, in file order, and returns a
         :class:`~safeload.PrefetchLoader` at once (safetensors 0.9). ``device``: the handle's
         when None. At most ``budget_bytes`` are read and not taken yet
-        (``$SAFELOAD_PREFETCH_BYTES``, default 1 GiB)."""
+        (``$SAFELOAD_PREFETCH_BYTES``, default 1 GiB). ``threads``: the reader's workers; None
+        (upstream's default is 8) picks them from the cores and the storage, as every read does."""
         return _prefetch.start(self._handle, self._convert, self._device, plan, device, threads,
                                budget_bytes)
 

@@ -11,6 +11,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_THREADS",
     "Handle",
+    "Prefetch",
     "SafetensorError",
     "TensorSpec",
     "__version__",
