@@ -51,6 +51,7 @@ impl Storage {
         // SAFETY: layout has non-zero size. Zeroed, so every byte is initialised before a reader
         // borrows it as `&mut [u8]` (calloc'd fresh pages cost nothing extra).
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(oom)?;
+        crate::memory::account(len as i64);
         Ok(Storage::Heap { ptr, len })
     }
 
@@ -109,6 +110,7 @@ impl Drop for Storage {
                 Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
             // SAFETY: allocated in `alloc` with this layout.
             unsafe { dealloc(ptr.as_ptr(), layout) };
+            crate::memory::account(-(len as i64));
         }
     }
 }

@@ -38,6 +38,9 @@ pub enum Error {
     /// A prefetch plan, or a request of a prefetch loader, that cannot be served; the message
     /// is complete (safetensors 0.9's wording).
     Prefetch(String),
+    /// A load into new memory that would not fit what the process may still take (see
+    /// [`crate::memory`]); the message is complete. Raised before anything is read.
+    Memory(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -98,7 +101,8 @@ impl fmt::Display for Error {
             Error::Slice(message)
             | Error::Serialize(message)
             | Error::Destination(message)
-            | Error::Prefetch(message) => f.write_str(message),
+            | Error::Prefetch(message)
+            | Error::Memory(message) => f.write_str(message),
             Error::Cancelled => f.write_str("load cancelled"),
         }
     }

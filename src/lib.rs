@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod header;
+pub mod memory;
 pub mod plan;
 pub mod platform;
 pub mod pool;

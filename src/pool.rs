@@ -50,18 +50,26 @@ static POOL: Mutex<Pool> = Mutex::new(Pool {
 });
 
 /// Bytes the pool may hold: `SAFELOAD_POOL_BYTES` when set (0 turns it off), else a quarter of
-/// the memory available at first use, at most 16 GiB.
+/// what the process may take (see [`crate::memory`]: the host's available memory, the cgroup's
+/// headroom, `SAFELOAD_MEMORY_LIMIT`), counting what the pool holds as its own, at most 16 GiB.
+/// Worked out again at every free and by the reaper, so the pool shrinks with the headroom.
 pub fn limit() -> usize {
-    static LIMIT: OnceLock<usize> = OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        match std::env::var("SAFELOAD_POOL_BYTES")
+    limit_with(POOL.try_lock().map_or(0, |p| p.bytes))
+}
+
+/// [`limit`] when the pool holds `pooled` bytes.
+fn limit_with(pooled: usize) -> usize {
+    static FIXED: OnceLock<Option<usize>> = OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("SAFELOAD_POOL_BYTES")
             .ok()
-            .and_then(|v| v.parse().ok())
-        {
-            Some(bytes) => bytes,
-            None => platform::available_memory().map_or(0, |m| (m / 4).min(16 << 30) as usize),
-        }
-    })
+            .and_then(|v| crate::readahead::parse_bytes(&v))
+            .map(|b| b as usize)
+    });
+    if let Some(bytes) = fixed {
+        return bytes;
+    }
+    crate::memory::available().map_or(0, |m| ((m + pooled as u64) / 4).min(16 << 30) as usize)
 }
 
 /// How long freed memory stays pooled: `SAFELOAD_POOL_IDLE_S` (seconds), else 10 s.
@@ -102,6 +110,7 @@ impl Mapping {
             }
         }
         let ptr = platform::map_anonymous(need)?;
+        crate::memory::account(need as i64);
         Ok(Mapping {
             ptr,
             capacity: need,
@@ -122,9 +131,10 @@ impl Drop for Mapping {
         if self.capacity == 0 {
             return; // unmapped already, or moved into the pool
         }
-        let limit = limit();
-        if self.capacity <= limit
-            && let Ok(mut pool) = POOL.try_lock()
+        // The bound counts this mapping as pooled (the memory the process has either way).
+        if let Ok(mut pool) = POOL.try_lock()
+            && let limit = limit_with(pool.bytes + self.capacity)
+            && self.capacity <= limit
         {
             let mapping = Mapping {
                 ptr: self.ptr,
@@ -138,19 +148,7 @@ impl Drop for Mapping {
             });
             // Over the bound: the oldest go back to the OS (they are dropped with capacity 0
             // after being unmapped here, outside this recursion).
-            let mut evicted = Vec::new();
-            while pool.bytes > limit {
-                let oldest = pool
-                    .free
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(_, p)| p.freed)
-                    .map(|(i, _)| i)
-                    .expect("bytes > 0 means entries");
-                let p = pool.free.swap_remove(oldest);
-                pool.bytes -= p.mapping.capacity;
-                evicted.push(p.mapping);
-            }
+            let evicted = pool.evict_over(limit);
             if !pool.reaper {
                 pool.reaper = start_reaper();
             }
@@ -173,8 +171,30 @@ impl Mapping {
         if self.capacity > 0 {
             // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
             unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };
+            crate::memory::account(-(self.capacity as i64));
         }
         self.capacity = 0;
+    }
+}
+
+impl Pool {
+    /// Takes the oldest mappings out until at most `limit` bytes are pooled; the caller unmaps
+    /// them (outside the lock).
+    fn evict_over(&mut self, limit: usize) -> Vec<Mapping> {
+        let mut evicted = Vec::new();
+        while self.bytes > limit {
+            let oldest = self
+                .free
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, p)| p.freed)
+                .map(|(i, _)| i)
+                .expect("bytes > 0 means entries");
+            let p = self.free.swap_remove(oldest);
+            self.bytes -= p.mapping.capacity;
+            evicted.push(p.mapping);
+        }
+        evicted
     }
 }
 
@@ -200,6 +220,9 @@ fn start_reaper() -> bool {
                         i += 1;
                     }
                 }
+                // The headroom may have shrunk since these were pooled.
+                let limit = limit_with(pool.bytes);
+                expired.extend(pool.evict_over(limit));
                 let empty = pool.free.is_empty();
                 if empty {
                     pool.reaper = false;

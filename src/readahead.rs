@@ -46,12 +46,27 @@ const PAGE_CACHE_WORKERS: usize = 4;
 const WAIT: Duration = Duration::from_millis(20);
 
 /// The read-ahead budget from `SAFELOAD_READAHEAD_BYTES` (bytes, or `256MiB`-style), else
-/// [`DEFAULT_BUDGET`]. 0 turns read-ahead off.
+/// [`DEFAULT_BUDGET`], at most a quarter of what the process may still take
+/// ([`crate::memory::available`]). 0 turns read-ahead off.
 pub fn budget_from_env() -> u64 {
-    std::env::var("SAFELOAD_READAHEAD_BYTES")
+    budget("SAFELOAD_READAHEAD_BYTES", DEFAULT_BUDGET)
+}
+
+/// Default budget of a prefetch loader (`SAFELOAD_PREFETCH_BYTES`).
+pub const DEFAULT_PREFETCH_BUDGET: u64 = 1 << 30;
+
+/// A prefetch loader's budget when the caller gives none: `SAFELOAD_PREFETCH_BYTES`, else
+/// [`DEFAULT_PREFETCH_BUDGET`], at most a quarter of what the process may still take.
+pub fn prefetch_budget_from_env() -> u64 {
+    budget("SAFELOAD_PREFETCH_BYTES", DEFAULT_PREFETCH_BUDGET)
+}
+
+fn budget(var: &str, default: u64) -> u64 {
+    let asked = std::env::var(var)
         .ok()
         .and_then(|v| parse_bytes(&v))
-        .unwrap_or(DEFAULT_BUDGET)
+        .unwrap_or(default);
+    crate::memory::available().map_or(asked, |a| asked.min(a / 4))
 }
 
 /// `"1073741824"`, `"1GiB"`, `"512MiB"`, `"64KiB"`, `"2GB"` ... as bytes.

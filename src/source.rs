@@ -107,6 +107,7 @@ impl Source {
                     self.header.data_len(),
                     storage::direct_above(),
                     storage::auto_may_map(),
+                    crate::memory::available(),
                 );
                 (strategy, cached)
             }
@@ -430,6 +431,15 @@ fn read_tensors(
         .zip(&dtypes)
         .map(|((_, t), d)| bytes_as(t, *d).expect("supported, checked above"))
         .collect();
+    let needed: u64 = sizes.iter().map(|&n| n as u64).sum();
+    crate::memory::ensure_fits(needed, || {
+        let mut paths: Vec<String> = wanted
+            .iter()
+            .map(|(s, _)| sources[*s].path.display().to_string())
+            .collect();
+        paths.dedup();
+        format!("{} tensors of {}", wanted.len(), paths.join(", "))
+    })?;
     let mut buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
         Some((s, t)) => sources[*s].read_err(t, e),
         None => Error::Cancelled,

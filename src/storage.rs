@@ -38,11 +38,6 @@ pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
     platform::cached_fraction(file, offset, len)
 }
 
-/// Memory the OS can hand out without swapping, in bytes.
-pub fn available_memory() -> Option<u64> {
-    platform::available_memory()
-}
-
 /// What the caller asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -96,7 +91,7 @@ pub fn direct_above() -> Option<u64> {
         .and_then(|v| v.parse().ok())
     {
         Some(bytes) => Some(bytes),
-        None => available_memory().map(|free| free / 2),
+        None => crate::memory::available().map(|free| free / 2),
     }
 }
 
@@ -121,7 +116,10 @@ pub fn auto_may_map() -> bool {
 ///   memory into fresh memory, 20-100x slower on the dev VM; cold, the page cache has to be filled
 ///   anyway and the map uses it without a second copy (README, "Backends", has the table).
 /// - Except cold local files holding more than half of the available memory ([`direct_above`]):
-///   O_DIRECT, so that a load does not push the rest of the page cache (or its own tensors) out.
+///   O_DIRECT, so that a load does not push the rest of the page cache (or its own tensors) out;
+///   unless they hold more than the process may take at all (`available`, see
+///   [`crate::memory`]): then a map, whose pages the kernel can reclaim, where owned memory would
+///   not fit.
 /// - Where maps are not safe (`may_map` false: Windows, locked and crashing maps), parallel pread.
 pub fn choose(
     kind: FsKind,
@@ -129,7 +127,9 @@ pub fn choose(
     data_len: u64,
     direct_above: Option<u64>,
     may_map: bool,
+    available: Option<u64>,
 ) -> Strategy {
+    let fits = available.is_none_or(|a| data_len <= a);
     if let FsKind::Network(_) = kind {
         return match cached {
             Some(f) if f >= COLD_BELOW => Strategy::Pread,
@@ -137,7 +137,12 @@ pub fn choose(
         };
     }
     match (cached, direct_above) {
-        (Some(f), Some(limit)) if kind == FsKind::Local && f < COLD_BELOW && data_len > limit => {
+        (Some(f), Some(limit))
+            if kind == FsKind::Local
+                && f < COLD_BELOW
+                && data_len > limit
+                && (fits || !may_map) =>
+        {
             Strategy::Direct
         }
         _ if may_map => Strategy::Mmap,
@@ -187,41 +192,89 @@ mod tests {
         let fuse = FsKind::Network("fuse");
         // Network: uncached when cold (past FUSE readahead's cap), a copy from the cache when warm.
         assert_eq!(
-            choose(fuse, Some(0.0), 100 * GIB, Some(GIB), true),
+            choose(fuse, Some(0.0), 100 * GIB, Some(GIB), true, None),
             Strategy::Direct
         );
-        assert_eq!(choose(fuse, None, GIB, Some(GIB), true), Strategy::Direct);
         assert_eq!(
-            choose(fuse, Some(1.0), GIB, Some(GIB), true),
+            choose(fuse, None, GIB, Some(GIB), true, None),
+            Strategy::Direct
+        );
+        assert_eq!(
+            choose(fuse, Some(1.0), GIB, Some(GIB), true, None),
             Strategy::Pread
         );
         // Local, warm or cold: the map, as safetensors' default.
         for cached in [Some(0.0), Some(1.0), None] {
             assert_eq!(
-                choose(FsKind::Local, cached, 2 * GIB, Some(10 * GIB), true),
+                choose(FsKind::Local, cached, 2 * GIB, Some(10 * GIB), true, None),
                 Strategy::Mmap
             );
             assert_eq!(
-                choose(FsKind::Memory, cached, 12 * GIB, Some(GIB), true),
+                choose(FsKind::Memory, cached, 12 * GIB, Some(GIB), true, None),
                 Strategy::Mmap
             );
         }
         // Cold and larger than half the available memory: around the page cache.
         assert_eq!(
-            choose(FsKind::Local, Some(0.0), 12 * GIB, Some(10 * GIB), true),
+            choose(
+                FsKind::Local,
+                Some(0.0),
+                12 * GIB,
+                Some(10 * GIB),
+                true,
+                None
+            ),
             Strategy::Direct
         );
         assert_eq!(
-            choose(FsKind::Local, Some(1.0), 12 * GIB, Some(10 * GIB), true),
+            choose(
+                FsKind::Local,
+                Some(1.0),
+                12 * GIB,
+                Some(10 * GIB),
+                true,
+                None
+            ),
             Strategy::Mmap
+        );
+        // Cold and larger than all the process may take (a container's limit): the map, whose
+        // pages the kernel can reclaim; owned memory would not fit.
+        assert_eq!(
+            choose(
+                FsKind::Local,
+                Some(0.0),
+                12 * GIB,
+                Some(GIB),
+                true,
+                Some(2 * GIB)
+            ),
+            Strategy::Mmap
+        );
+        assert_eq!(
+            choose(
+                FsKind::Local,
+                Some(0.0),
+                3 * GIB,
+                Some(GIB),
+                true,
+                Some(4 * GIB)
+            ),
+            Strategy::Direct
         );
         // No maps (Windows): the parallel reader.
         assert_eq!(
-            choose(FsKind::Local, None, GIB, Some(10 * GIB), false),
+            choose(FsKind::Local, None, GIB, Some(10 * GIB), false, None),
             Strategy::Pread
         );
         assert_eq!(
-            choose(FsKind::Local, Some(0.0), 12 * GIB, Some(10 * GIB), false),
+            choose(
+                FsKind::Local,
+                Some(0.0),
+                12 * GIB,
+                Some(10 * GIB),
+                false,
+                None
+            ),
             Strategy::Direct
         );
         assert!(threads_for(FsKind::Network("nfs"), 2, None) >= 16);

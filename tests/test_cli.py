@@ -269,9 +269,14 @@ def test_log_read(sample, caplog):
         with safeload.safe_open(sample, "np", backend="pread") as f:
             f.get_tensors()
             log_read(sample, f, "get_tensors")  # a handle: its .stats
+    # Each read line is followed by what the pool keeps and under which bound.
+    messages = [r.getMessage() for r in caplog.records]
+    memory = [m for m in messages if m.startswith("memory: ")]
+    assert len(memory) == 4 and all("pool keeps" in m and "available" in m for m in memory)
+    reads = [r for r in caplog.records if not r.getMessage().startswith("memory: ")]
     # get_tensors logs its own read too: explicit, explicit, automatic, explicit.
-    first, second, automatic, third = (r.getMessage() for r in caplog.records[-4:])
-    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-4:])
+    first, second, automatic, third = (r.getMessage() for r in reads[-4:])
+    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-8:])
     assert automatic == third
     assert first == (f"get_tensors {sample}: backend=pread threads=4 chunk=1.00 MiB read=3.00 GiB in 1.500s "
                      "(2.00 GiB/s) storage=ext4")

@@ -59,5 +59,23 @@ def log_read(path: Any, stats_like: Any, what: str = "read") -> None:
             "%s %s: backend=%s threads=%s chunk=%s read=%s in %.3fs (%.2f GiB/s)%s",
             what, where, f["backend"], f["threads"], chunk, _size(nbytes), seconds, rate, storage,
         )
+        log_memory()
     except Exception:  # noqa: BLE001 - logging must never break a load
         logger.debug("%s %s: (stats unavailable)", what, path, exc_info=True)
+
+
+def log_memory() -> None:
+    """Log at DEBUG what the pool of freed memory keeps, under which bound (see README,
+    "Repeated loads")."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    from ._safeload import memory_info
+
+    m = memory_info()
+    bound = lambda v: _size(v) if v is not None else "-"  # noqa: E731
+    logger.debug(
+        "memory: pool keeps %s (limit %s); safeload holds %s; available %s (host %s, cgroup %s, "
+        "SAFELOAD_MEMORY_LIMIT %s)",
+        _size(m["pooled"]), _size(m["pool_limit"]), _size(m["held"]), bound(m["available"]),
+        bound(m["host"]), bound(m["cgroup"]), bound(m["user"]),
+    )

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import Handle, SafetensorError, staging_fills
+from ._safeload import Handle, SafetensorError, memory_info, staging_fills
 from ._stats import Stats
 
 DEFAULT_RING_BUFFERS = 4
@@ -91,8 +91,13 @@ def parse_ring(text: str) -> Tuple[int, int]:
 
 
 def ring_config(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]:
-    """The ring to use: the arguments, else ``$SAFELOAD_STAGING_RING``, else 4 x 64 MiB."""
+    """The ring to use: the arguments, else ``$SAFELOAD_STAGING_RING``, else 4 x 64 MiB, smaller
+    where a quarter of what the process may still take is less (``memory_info``; 8 MiB
+    buffers at least)."""
     env_n, env_b = DEFAULT_RING_BUFFERS, DEFAULT_BUFFER_BYTES
+    available = memory_info()["available"]
+    if available is not None:
+        env_b = max(min(env_b, available // 4 // env_n), 8 << 20)
     text = os.environ.get(RING_ENV)
     if text:
         try:

@@ -1,7 +1,8 @@
 //! The single conversion from the core's [`Error`] to Python exceptions.
 
 use pyo3::exceptions::{
-    PyException, PyFileNotFoundError, PyIsADirectoryError, PyOSError, PyPermissionError,
+    PyException, PyFileNotFoundError, PyIsADirectoryError, PyMemoryError, PyOSError,
+    PyPermissionError,
 };
 use pyo3::prelude::*;
 
@@ -21,6 +22,7 @@ pub fn to_py(err: Error) -> PyErr {
         Some(std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(message),
         Some(std::io::ErrorKind::IsADirectory) => PyIsADirectoryError::new_err(message),
         Some(_) if matches!(err, Error::Open { .. }) => PyOSError::new_err(message),
+        _ if matches!(err, Error::Memory(_)) => PyMemoryError::new_err(message),
         _ => SafetensorError::new_err(message),
     }
 }

@@ -368,7 +368,7 @@ impl Handle {
             opts.threads = Some(t.max(1));
         }
         let strategy = self.strategy();
-        let budget = budget_bytes.unwrap_or_else(prefetch::budget_from_env);
+        let budget = budget_bytes.unwrap_or_else(readahead::prefetch_budget_from_env);
         py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
             .map_err(to_py)
     }

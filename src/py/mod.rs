@@ -29,6 +29,30 @@ fn pooled_bytes() -> usize {
     crate::pool::pooled_bytes()
 }
 
+/// What bounds the memory loads may take (see `crate::memory`), in bytes: `available` (the
+/// smallest of the rest), `host`, `cgroup` (headroom), `user` (`SAFELOAD_MEMORY_LIMIT` less what
+/// safeload holds), `held` (safeload's owned memory, pool included), `pooled`, `pool_limit`;
+/// None where unknown.
+#[pyfunction]
+fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let budget = crate::memory::snapshot();
+    let info = pyo3::types::PyDict::new(py);
+    info.set_item("available", budget.available())?;
+    info.set_item("host", budget.host)?;
+    info.set_item("cgroup", budget.cgroup)?;
+    info.set_item("user", budget.user)?;
+    info.set_item("held", crate::memory::held())?;
+    info.set_item("pooled", crate::pool::pooled_bytes())?;
+    info.set_item("pool_limit", crate::pool::limit())?;
+    Ok(info)
+}
+
+/// Tests only: read cgroup files under `root` (a fixture tree) instead of `/`.
+#[pyfunction]
+fn _set_cgroup_root(root: std::path::PathBuf) {
+    crate::memory::set_cgroup_root(&root);
+}
+
 #[pymodule]
 fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
@@ -45,6 +69,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_cgroup_root, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;

@@ -20,18 +20,6 @@ use crate::readahead::{Mode, ReadAhead};
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::Strategy;
 
-/// The loader's budget when neither `budget_bytes=` nor `SAFELOAD_PREFETCH_BYTES` gives one:
-/// bytes read ahead and not taken yet.
-pub(super) const DEFAULT_BUDGET: u64 = 1 << 30;
-
-/// The budget from `SAFELOAD_PREFETCH_BYTES` (bytes, or `1GiB`-style), else [`DEFAULT_BUDGET`].
-pub(super) fn budget_from_env() -> u64 {
-    std::env::var("SAFELOAD_PREFETCH_BYTES")
-        .ok()
-        .and_then(|v| crate::readahead::parse_bytes(&v))
-        .unwrap_or(DEFAULT_BUDGET)
-}
-
 /// A plan dict (`name -> None | slice`), in the dict's order.
 pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows)>> {
     let mut out = Vec::with_capacity(plan.len());
