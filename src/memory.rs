@@ -72,8 +72,9 @@ pub fn set_cgroup_root(path: &Path) {
 pub struct Budget {
     /// The host's available memory (Linux `MemAvailable`).
     pub host: Option<u64>,
-    /// The cgroup's headroom, where a level of it has a limit.
-    pub cgroup: Option<u64>,
+    /// The container's headroom: the cgroup's, where a level of it has a limit (Linux); the
+    /// job object's, where it limits memory (Windows).
+    pub container: Option<u64>,
     /// `SAFELOAD_MEMORY_LIMIT` less what safeload holds.
     pub user: Option<u64>,
 }
@@ -81,7 +82,7 @@ pub struct Budget {
 impl Budget {
     /// The smallest of the three (None: nothing is known).
     pub fn available(&self) -> Option<u64> {
-        [self.host, self.cgroup, self.user]
+        [self.host, self.container, self.user]
             .into_iter()
             .flatten()
             .min()
@@ -92,8 +93,8 @@ impl Budget {
         let available = self.available();
         if available.is_some() && available == self.user {
             "SAFELOAD_MEMORY_LIMIT less what safeload holds"
-        } else if available.is_some() && available == self.cgroup {
-            "the cgroup's memory limit less its use"
+        } else if available.is_some() && available == self.container {
+            "the container's memory limit (cgroup, job object) less its use"
         } else {
             "the system's available memory"
         }
@@ -116,7 +117,7 @@ pub fn snapshot() -> Budget {
     let root = root().lock().unwrap_or_else(|p| p.into_inner()).clone();
     let budget = Budget {
         host: platform::available_memory(),
-        cgroup: cgroup_headroom(&root),
+        container: cgroup_headroom(&root).or_else(platform::job_memory_headroom),
         user: None,
     };
     *cached = Some((Instant::now(), budget));
@@ -431,11 +432,11 @@ mod tests {
     fn the_smallest_bound_wins() {
         let b = Budget {
             host: Some(20 * GIB),
-            cgroup: Some(2 * GIB),
+            container: Some(2 * GIB),
             user: None,
         };
         assert_eq!(b.available(), Some(2 * GIB));
-        assert!(b.source().contains("cgroup"));
+        assert!(b.source().contains("container"));
         let b = Budget {
             user: Some(GIB),
             ..b

@@ -106,7 +106,7 @@ def test_cgroup_limit_from_a_fixture_tree(big_file, tmp_path):
     (cg / "memory.stat").write_text(f"anon 1\ninactive_file {4 * MIB}\n")
     setup = f"safeload._safeload._set_cgroup_root({str(root)!r})"
     out = run(LOAD.format(path=big_file, setup=setup))
-    assert out["info"]["cgroup"] == 64 * MIB  # 80 MiB less (20 - 4) MiB in use
+    assert out["info"]["container"] == 64 * MIB  # 80 MiB less (20 - 4) MiB in use
     check_refused(out, big_file, "cgroup")
 
 

@@ -74,8 +74,8 @@ def log_memory() -> None:
     m = memory_info()
     bound = lambda v: _size(v) if v is not None else "-"  # noqa: E731
     logger.debug(
-        "memory: pool keeps %s (limit %s); safeload holds %s; available %s (host %s, cgroup %s, "
-        "SAFELOAD_MEMORY_LIMIT %s)",
+        "memory: pool keeps %s (limit %s); safeload holds %s; available %s (host %s, container "
+        "%s, SAFELOAD_MEMORY_LIMIT %s)",
         _size(m["pooled"]), _size(m["pool_limit"]), _size(m["held"]), bound(m["available"]),
-        bound(m["host"]), bound(m["cgroup"]), bound(m["user"]),
+        bound(m["host"]), bound(m["container"]), bound(m["user"]),
     )

@@ -125,6 +125,16 @@ pub fn available_memory() -> Option<u64> {
     os::available_memory()
 }
 
+/// Windows: what the job object the process runs in still lets it commit (see
+/// `windows::job_memory_headroom`); elsewhere None (Linux containers are cgroups, read by
+/// [`crate::memory`] from their files).
+pub fn job_memory_headroom() -> Option<u64> {
+    #[cfg(windows)]
+    return os::job_memory_headroom();
+    #[cfg(not(windows))]
+    None
+}
+
 /// The VM page size.
 pub fn page_size() -> usize {
     os::page_size()

@@ -13,12 +13,20 @@ use std::ptr::NonNull;
 use windows_sys::Win32::Storage::FileSystem::{
     FILE_FLAG_NO_BUFFERING, GetDriveTypeW, GetVolumePathNameW,
 };
+use windows_sys::Win32::System::JobObjects::{
+    IsProcessInJob, JOB_OBJECT_LIMIT_JOB_MEMORY, JOB_OBJECT_LIMIT_PROCESS_MEMORY,
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION, JOBOBJECT_LIMIT_VIOLATION_INFORMATION,
+    JobObjectExtendedLimitInformation, JobObjectLimitViolationInformation,
+    QueryInformationJobObject,
+};
 use windows_sys::Win32::System::Memory::{
     MEM_COMMIT, MEM_RELEASE, MEM_RESERVE, PAGE_READWRITE, VirtualAlloc, VirtualFree,
 };
+use windows_sys::Win32::System::ProcessStatus::{K32GetProcessMemoryInfo, PROCESS_MEMORY_COUNTERS};
 use windows_sys::Win32::System::SystemInformation::{
     GetSystemInfo, GlobalMemoryStatusEx, MEMORYSTATUSEX, SYSTEM_INFO,
 };
+use windows_sys::Win32::System::Threading::GetCurrentProcess;
 use windows_sys::Win32::System::WindowsProgramming::{DRIVE_RAMDISK, DRIVE_REMOTE};
 
 use super::Uncached;
@@ -129,6 +137,58 @@ pub fn available_memory() -> Option<u64> {
     status.dwLength = std::mem::size_of::<MEMORYSTATUSEX>() as u32;
     // SAFETY: the struct is ours and sized as dwLength says.
     (unsafe { GlobalMemoryStatusEx(&mut status) } != 0).then_some(status.ullAvailPhys)
+}
+
+/// What the job object this process runs in still lets it commit, where the job limits memory:
+/// the per-process limit less this process's commit charge, and the job's limit less the job's
+/// commit, whichever is smaller. None outside a job, or in a job without a memory limit.
+pub fn job_memory_headroom() -> Option<u64> {
+    // SAFETY: a pseudo-handle; never closed.
+    let process = unsafe { GetCurrentProcess() };
+    let mut in_job = 0;
+    // SAFETY: a null job handle asks about any job; `in_job` is ours.
+    if unsafe { IsProcessInJob(process, std::ptr::null_mut(), &mut in_job) } == 0 || in_job == 0 {
+        return None;
+    }
+    /// Queries the calling process's job (a null handle) for `class` into a `T`.
+    fn query<T>(class: i32) -> Option<T> {
+        // SAFETY: plain data, filled by the call below.
+        let mut info: T = unsafe { std::mem::zeroed() };
+        // SAFETY: the buffer is ours and sized as passed.
+        let ok = unsafe {
+            QueryInformationJobObject(
+                std::ptr::null_mut(),
+                class,
+                (&mut info as *mut T).cast(),
+                std::mem::size_of::<T>() as u32,
+                std::ptr::null_mut(),
+            )
+        };
+        (ok != 0).then_some(info)
+    }
+    let limits: JOBOBJECT_EXTENDED_LIMIT_INFORMATION = query(JobObjectExtendedLimitInformation)?;
+    let flags = limits.BasicLimitInformation.LimitFlags;
+    let mut room: Option<u64> = None;
+    if flags & JOB_OBJECT_LIMIT_PROCESS_MEMORY != 0 {
+        // SAFETY: plain data; cb must be set before the call.
+        let mut counters: PROCESS_MEMORY_COUNTERS = unsafe { std::mem::zeroed() };
+        counters.cb = std::mem::size_of::<PROCESS_MEMORY_COUNTERS>() as u32;
+        // SAFETY: the struct is ours and sized as cb says.
+        let used = if unsafe { K32GetProcessMemoryInfo(process, &mut counters, counters.cb) } != 0 {
+            counters.PagefileUsage as u64
+        } else {
+            0
+        };
+        room = Some((limits.ProcessMemoryLimit as u64).saturating_sub(used));
+    }
+    if flags & JOB_OBJECT_LIMIT_JOB_MEMORY != 0 {
+        let used =
+            query::<JOBOBJECT_LIMIT_VIOLATION_INFORMATION>(JobObjectLimitViolationInformation)
+                .map_or(limits.PeakJobMemoryUsed as u64, |v| v.JobMemory);
+        let job = (limits.JobMemoryLimit as u64).saturating_sub(used);
+        room = Some(room.map_or(job, |r| r.min(job)));
+    }
+    room
 }
 
 pub fn page_size() -> usize {

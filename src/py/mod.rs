@@ -30,7 +30,8 @@ fn pooled_bytes() -> usize {
 }
 
 /// What bounds the memory loads may take (see `crate::memory`), in bytes: `available` (the
-/// smallest of the rest), `host`, `cgroup` (headroom), `user` (`SAFELOAD_MEMORY_LIMIT` less what
+/// smallest of the rest), `host`, `container` (the cgroup's or job object's headroom), `user`
+/// (`SAFELOAD_MEMORY_LIMIT` less what
 /// safeload holds), `held` (safeload's owned memory, pool included), `pooled`, `pool_limit`;
 /// None where unknown.
 #[pyfunction]
@@ -39,7 +40,7 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let info = pyo3::types::PyDict::new(py);
     info.set_item("available", budget.available())?;
     info.set_item("host", budget.host)?;
-    info.set_item("cgroup", budget.cgroup)?;
+    info.set_item("container", budget.container)?;
     info.set_item("user", budget.user)?;
     info.set_item("held", crate::memory::held())?;
     info.set_item("pooled", crate::pool::pooled_bytes())?;
