@@ -18,6 +18,11 @@
  *                            kernel takes a short answer for end of file).
  *   --shrink NAME:SIZE:AFTER once AFTER bytes of NAME have been served, NAME reports (getattr) and
  *                            serves at most SIZE bytes: a file truncated under the reader.
+ *   --hold-after BYTES       once BYTES have been served (all files), every further read request
+ *                            waits until the test lets it go: a read of the hidden file
+ *                            /.slowfs-release lets the requests waiting then go on (later ones
+ *                            wait again), one of /.slowfs-release-all ends the holding. A reader
+ *                            is then provably in the middle of its reads, whatever the timing.
  * Kernel-facing knobs (negotiated in INIT; see /sys/fs/fuse/connections/N/ for a live mount):
  *   --max-background N       conn->max_background: how many asynchronous requests the kernel keeps
  *                            in flight on the connection (buffered readahead, and O_DIRECT reads
@@ -48,8 +53,9 @@
  *   --debug                  libfuse's debug log on stderr.
  *
  * A hidden file /.slowfs-stats (not listed by readdir) reads as one line of counters,
- * "reads=N bytes=N inflight_max=N size_max=N size_min=N errors=N", and reading it resets the three
- * peaks (inflight_max, size_max, size_min). At exit the same line is printed on stderr.
+ * "reads=N bytes=N inflight_max=N size_max=N size_min=N errors=N held=N", and reading it resets
+ * the three peaks (inflight_max, size_max, size_min); held is how many requests --hold-after
+ * holds now. At exit the same line is printed on stderr.
  */
 #define _GNU_SOURCE
 #ifndef FUSE_USE_VERSION
@@ -72,6 +78,12 @@
 #include <unistd.h>
 
 #define STATS_PATH "/.slowfs-stats"
+#define RELEASE_PATH "/.slowfs-release"
+#define RELEASE_ALL_PATH "/.slowfs-release-all"
+/* File handles of the hidden files. */
+#define FH_STATS ((uint64_t)-1)
+#define FH_RELEASE ((uint64_t)-2)
+#define FH_RELEASE_ALL ((uint64_t)-3)
 #define MAX_SPECS 64
 
 struct eio_spec { char *name; long long offset; };
@@ -86,8 +98,15 @@ static struct {
 	long long max_background, congestion_threshold, max_read, max_pages, max_readahead;
 	int threads;
 	const char *fsname;
+	long long hold_after;  /* -1: never hold */
 } opt = { .fsname = "slowfs",  .max_background = -1, .congestion_threshold = -1, .max_pages = -1, .max_readahead = -1,
-          .threads = 256 };
+          .threads = 256, .hold_after = -1 };
+
+/* --hold-after: requests wait for the round they arrived in to end (a read of RELEASE_PATH). */
+static pthread_mutex_t hold_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+static unsigned long long hold_round, held;
+static int hold_off;
 
 static struct {
 	unsigned long long reads, bytes, errors, inflight, inflight_max, size_max, size_min;
@@ -124,9 +143,12 @@ static int stats_line(char *buf, size_t n, int reset)
 	unsigned long long im = __atomic_load_n(&stats.inflight_max, __ATOMIC_RELAXED);
 	unsigned long long sm = __atomic_load_n(&stats.size_max, __ATOMIC_RELAXED);
 	unsigned long long sn = __atomic_load_n(&stats.size_min, __ATOMIC_RELAXED);
-	int len = snprintf(buf, n, "reads=%llu bytes=%llu inflight_max=%llu size_max=%llu size_min=%llu errors=%llu\n",
+	pthread_mutex_lock(&hold_lock);
+	unsigned long long h = held;
+	pthread_mutex_unlock(&hold_lock);
+	int len = snprintf(buf, n, "reads=%llu bytes=%llu inflight_max=%llu size_max=%llu size_min=%llu errors=%llu held=%llu\n",
 	                   __atomic_load_n(&stats.reads, __ATOMIC_RELAXED), __atomic_load_n(&stats.bytes, __ATOMIC_RELAXED),
-	                   im, sm, sn == ULLONG_MAX ? 0ULL : sn, __atomic_load_n(&stats.errors, __ATOMIC_RELAXED));
+	                   im, sm, sn == ULLONG_MAX ? 0ULL : sn, __atomic_load_n(&stats.errors, __ATOMIC_RELAXED), h);
 	if (reset) {
 		__atomic_store_n(&stats.inflight_max, __atomic_load_n(&stats.inflight, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 		__atomic_store_n(&stats.size_max, 0, __ATOMIC_RELAXED);
@@ -178,7 +200,7 @@ static int sf_getattr(const char *path, struct stat *st, struct fuse_file_info *
 {
 	(void)fi;
 	char full[PATH_MAX];
-	if (strcmp(path, STATS_PATH) == 0) {
+	if (strcmp(path, STATS_PATH) == 0 || strcmp(path, RELEASE_PATH) == 0 || strcmp(path, RELEASE_ALL_PATH) == 0) {
 		memset(st, 0, sizeof *st);
 		st->st_mode = S_IFREG | 0444;
 		st->st_nlink = 1;
@@ -214,8 +236,11 @@ static int sf_readdir(const char *path, void *buf, fuse_fill_dir_t filler, off_t
 static int sf_open(const char *path, struct fuse_file_info *fi)
 {
 	if ((fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
-	if (strcmp(path, STATS_PATH) == 0) {
-		fi->fh = (uint64_t)-1;
+	uint64_t hidden = strcmp(path, STATS_PATH) == 0 ? FH_STATS
+	                : strcmp(path, RELEASE_PATH) == 0 ? FH_RELEASE
+	                : strcmp(path, RELEASE_ALL_PATH) == 0 ? FH_RELEASE_ALL : 0;
+	if (hidden) {
+		fi->fh = hidden;
 		fi->direct_io = 1;
 		return 0;
 	}
@@ -233,7 +258,17 @@ static int sf_open(const char *path, struct fuse_file_info *fi)
 
 static int sf_read(const char *path, char *buf, size_t size, off_t offset, struct fuse_file_info *fi)
 {
-	if (fi->fh == (uint64_t)-1) {  /* the stats file */
+	if (fi->fh == FH_RELEASE || fi->fh == FH_RELEASE_ALL) {  /* let held requests go */
+		if (offset > 0) return 0;
+		pthread_mutex_lock(&hold_lock);
+		hold_round++;
+		if (fi->fh == FH_RELEASE_ALL) hold_off = 1;
+		pthread_cond_broadcast(&hold_cv);
+		pthread_mutex_unlock(&hold_lock);
+		memcpy(buf, "ok\n", size < 3 ? size : 3);
+		return size < 3 ? (int)size : 3;
+	}
+	if (fi->fh == FH_STATS) {  /* the stats file */
 		char line[512];
 		int len = stats_line(line, sizeof line, offset == 0);
 		if (offset >= len) return 0;
@@ -248,6 +283,16 @@ static int sf_read(const char *path, char *buf, size_t size, off_t offset, struc
 	peak(&stats.size_min, size, 0);
 	int res = 0;
 	const char *name = path + 1;
+
+	if (opt.hold_after >= 0 && __atomic_load_n(&stats.bytes, __ATOMIC_RELAXED) >= (unsigned long long)opt.hold_after) {
+		pthread_mutex_lock(&hold_lock);
+		unsigned long long mine = hold_round;
+		held++;
+		while (!hold_off && hold_round == mine)
+			pthread_cond_wait(&hold_cv, &hold_lock);
+		held--;
+		pthread_mutex_unlock(&hold_lock);
+	}
 
 	double t = now() + opt.latency;
 	if (opt.bandwidth > 0) {
@@ -297,7 +342,7 @@ out:
 static int sf_release(const char *path, struct fuse_file_info *fi)
 {
 	(void)path;
-	if (fi->fh != (uint64_t)-1) close((int)fi->fh);
+	if (fi->fh != FH_STATS && fi->fh != FH_RELEASE && fi->fh != FH_RELEASE_ALL) close((int)fi->fh);
 	return 0;
 }
 
@@ -394,6 +439,7 @@ int main(int argc, char **argv)
 		else if (strcmp(a, "--threads") == 0) opt.threads = (int)parse_int(ARG(), a);
 		else if (strcmp(a, "--clone-fd") == 0) opt.clone_fd = 1;
 		else if (strcmp(a, "--fsname") == 0) opt.fsname = ARG();
+		else if (strcmp(a, "--hold-after") == 0) opt.hold_after = parse_int(ARG(), a);
 		else if (strcmp(a, "--debug") == 0) opt.debug = 1;
 		else if (a[0] == '-' && a[1] != '\0') { fprintf(stderr, "slowfs: unknown option %s\n", a); usage(); }
 		else if (npos < 2) pos[npos++] = a;

@@ -38,6 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "slowfs.c")
 REPO = os.path.dirname(os.path.dirname(HERE))
 STATS_FILE = ".slowfs-stats"
+RELEASE_FILE = ".slowfs-release"
+RELEASE_ALL_FILE = ".slowfs-release-all"
 
 _built: Dict[str, str] = {}  # source hash -> binary path
 
@@ -133,6 +135,12 @@ class MountPoint(str):
             line = f.read()
         return {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
 
+    def release(self, everything: bool = False) -> None:
+        """``--hold-after``: lets the read requests held now go on (later ones are held again),
+        or, with ``everything``, ends the holding."""
+        with open(os.path.join(self, RELEASE_ALL_FILE if everything else RELEASE_FILE), "rb", buffering=0) as f:
+            f.read(16)
+
     def connection(self) -> Optional[str]:
         """The mount's /sys/fs/fuse/connections/N directory, when fusectl is mounted and visible."""
         dev = os.stat(self).st_dev
@@ -187,6 +195,11 @@ def mounted(source: str, mountpoint: str, *options: str, timeout: float = 15.0) 
             time.sleep(0.02)
         yield MountPoint(mountpoint)
     finally:
+        if "--hold-after" in options and _is_mounted(mountpoint):
+            try:  # requests still held would keep the daemon from exiting
+                MountPoint(mountpoint).release(everything=True)
+            except OSError:
+                pass
         unmount(mountpoint)
         try:
             proc.wait(timeout=10)
