@@ -78,7 +78,9 @@ IDLE_SCRIPT = textwrap.dedent("""
     loaded = rss()
     del t
     held = safeload.pooled_bytes()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60  # the reaper runs every idle/2 s: wait for it, not a fixed time
+    while safeload.pooled_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
     print(held, safeload.pooled_bytes(), loaded - base, rss() - base)
 """)
 
