@@ -48,7 +48,7 @@ impl Checkpoint {
         for (s, shard) in shards.iter().enumerate() {
             for (t, info) in shard.header.tensors.iter().enumerate() {
                 if let Some((first, _)) = index.insert(info.name.clone(), (s, t)) {
-                    return Err(Error::Destination(format!(
+                    return Err(Error::Checkpoint(format!(
                         "tensor {} appears in more than one shard ({} and {})",
                         info.name,
                         shards[first].path.display(),

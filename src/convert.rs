@@ -33,7 +33,6 @@ use std::fmt;
 
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
-use rayon::prelude::*;
 
 use crate::dtype::Dtype;
 
@@ -136,25 +135,6 @@ pub fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) -> Result<(),
     convert_unchecked(from, to, src, dst);
     Ok(())
 }
-
-/// [`convert`] across rayon's thread pool, in pieces of `PAR_PIECE_ELEMENTS`: for one large
-/// buffer converted outside the read engine (one core converts 1.0-1.6 G elements/s, below
-/// memory bandwidth). Not for use inside the engine's workers, which are already one per core.
-pub fn convert_par(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) -> Result<(), ConvertError> {
-    check_lengths(from, to, src, dst)?;
-    let (src_piece, dst_piece) = (
-        PAR_PIECE_ELEMENTS * element_size(from),
-        PAR_PIECE_ELEMENTS * element_size(to),
-    );
-    src.par_chunks(src_piece)
-        .zip(dst.par_chunks_mut(dst_piece))
-        .for_each(|(s, d)| convert_unchecked(from, to, s, d));
-    Ok(())
-}
-
-/// Elements per piece of [`convert_par`]: 256 KiB of F32, many pieces per core for balance,
-/// few enough that scheduling costs nothing.
-const PAR_PIECE_ELEMENTS: usize = 64 << 10;
 
 fn check_lengths(from: Dtype, to: Dtype, src: &[u8], dst: &[u8]) -> Result<(), ConvertError> {
     let length_error = || ConvertError::Length {
@@ -671,24 +651,6 @@ mod tests {
     }
 
     #[test]
-    fn convert_par_matches_convert() {
-        let values = f32_test_patterns();
-        let floats = [Dtype::F32, Dtype::F16, Dtype::BF16];
-        for from in floats {
-            let elements = 3 * PAR_PIECE_ELEMENTS + 5;
-            let src: Vec<u8> = bytes32(&values[..elements]);
-            let src = &src[..elements * element_size(from)];
-            for to in floats {
-                let mut par = vec![0u8; converted_len(from, to, src.len()).unwrap()];
-                convert_par(from, to, src, &mut par).unwrap();
-                assert!(run(from, to, src) == par, "{from} -> {to}");
-            }
-        }
-        let err = convert_par(Dtype::F32, Dtype::F16, &[0; 8], &mut [0; 2]).unwrap_err();
-        assert!(matches!(err, ConvertError::Length { dst_bytes: 2, .. }));
-    }
-
-    #[test]
     fn identity_copies_bytes() {
         let src: Vec<u8> = (0..=255).collect();
         for dtype in [Dtype::F32, Dtype::F16, Dtype::BF16] {
@@ -778,21 +740,11 @@ mod tests {
                     })
                     .fold(f64::INFINITY, f64::min);
                 let gib = |bytes: usize| bytes as f64 / f64::from(1 << 30) / best;
-                let par = (0..10)
-                    .map(|_| {
-                        let start = std::time::Instant::now();
-                        convert_par(from, to, &src, &mut dst).unwrap();
-                        start.elapsed().as_secs_f64()
-                    })
-                    .fold(f64::INFINITY, f64::min);
                 println!(
-                    "{from:>4} -> {to:<4} read {:5.2} GiB/s, write {:5.2} GiB/s, {:4.0} Melem/s; \
-                     convert_par on {} threads: {:4.0} Melem/s",
+                    "{from:>4} -> {to:<4} read {:5.2} GiB/s, write {:5.2} GiB/s, {:4.0} Melem/s",
                     gib(SOURCE),
                     gib(dst.len()),
                     (SOURCE / element_size(from)) as f64 / best / 1e6,
-                    rayon::current_num_threads(),
-                    (SOURCE / element_size(from)) as f64 / par / 1e6
                 );
             }
         }

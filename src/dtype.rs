@@ -112,11 +112,6 @@ impl Dtype {
     pub fn from_code(code: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.code() == code)
     }
-
-    /// Whether elements are smaller than a byte (packed), so slices must respect byte boundaries.
-    pub fn is_packed(self) -> bool {
-        self.bits() < 8
-    }
 }
 
 impl fmt::Display for Dtype {

@@ -35,6 +35,9 @@ pub enum Error {
     /// Memory handed over to read into that cannot take the tensor (size, dtype, overlap,
     /// device); the message is complete.
     Destination(String),
+    /// Shards that do not make one checkpoint (a tensor in more than one of them); the message
+    /// is complete.
+    Checkpoint(String),
     /// A prefetch plan, or a request of a prefetch loader, that cannot be served; the message
     /// is complete (safetensors 0.9's wording).
     Prefetch(String),
@@ -101,6 +104,7 @@ impl fmt::Display for Error {
             Error::Slice(message)
             | Error::Serialize(message)
             | Error::Destination(message)
+            | Error::Checkpoint(message)
             | Error::Prefetch(message)
             | Error::Memory(message) => f.write_str(message),
             Error::Cancelled => f.write_str("load cancelled"),

@@ -95,20 +95,16 @@ impl Mapping {
     /// At least `len` bytes: the best-fitting pooled mapping, else a fresh one.
     pub fn take(len: usize) -> io::Result<Mapping> {
         let need = len.max(1).next_multiple_of(platform::page_size());
-        if let Ok(mut pool) = POOL.try_lock() {
-            let best = pool
-                .free
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| fits(p.mapping.capacity, need))
-                .min_by_key(|(_, p)| p.mapping.capacity)
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                let p = pool.free.swap_remove(i);
-                pool.bytes -= p.mapping.capacity;
-                return Ok(p.mapping);
-            }
+        if let Ok(mut pool) = POOL.try_lock()
+            && let Some(mapping) = pool.take_fit(need)
+        {
+            return Ok(mapping);
         }
+        Self::fresh(need)
+    }
+
+    /// A new mapping of `need` bytes (a multiple of the page size), bypassing the pool.
+    fn fresh(need: usize) -> io::Result<Mapping> {
         let ptr = platform::map_anonymous(need)?;
         crate::memory::account(need as i64);
         Ok(Mapping {
@@ -141,14 +137,9 @@ impl Drop for Mapping {
                 capacity: self.capacity,
             };
             self.capacity = 0; // ownership moved to the pool
-            pool.bytes += mapping.capacity;
-            pool.free.push(Pooled {
-                mapping,
-                freed: Instant::now(),
-            });
             // Over the bound: the oldest go back to the OS (they are dropped with capacity 0
             // after being unmapped here, outside this recursion).
-            let evicted = pool.evict_over(limit);
+            let evicted = pool.put(mapping, limit);
             if !pool.reaper {
                 pool.reaper = start_reaper();
             }
@@ -178,6 +169,31 @@ impl Mapping {
 }
 
 impl Pool {
+    /// The best-fitting pooled mapping for `need` bytes, taken out of the pool.
+    fn take_fit(&mut self, need: usize) -> Option<Mapping> {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| fits(p.mapping.capacity, need))
+            .min_by_key(|(_, p)| p.mapping.capacity)
+            .map(|(i, _)| i)?;
+        let p = self.free.swap_remove(best);
+        self.bytes -= p.mapping.capacity;
+        Some(p.mapping)
+    }
+
+    /// Pools `mapping`, then takes the oldest out until at most `limit` bytes are pooled; the
+    /// caller unmaps what comes back (outside the lock).
+    fn put(&mut self, mapping: Mapping, limit: usize) -> Vec<Mapping> {
+        self.bytes += mapping.capacity;
+        self.free.push(Pooled {
+            mapping,
+            freed: Instant::now(),
+        });
+        self.evict_over(limit)
+    }
+
     /// Takes the oldest mappings out until at most `limit` bytes are pooled; the caller unmaps
     /// them (outside the lock).
     fn evict_over(&mut self, limit: usize) -> Vec<Mapping> {
@@ -271,19 +287,16 @@ mod tests {
 
     #[test]
     fn freed_memory_is_reused_then_released() {
-        // One test touches the process-wide pool, so the steps run in sequence here.
-        if limit() < (64 << 20) {
-            return; // pool turned off on this machine
-        }
-        release();
+        // A pool of its own: the process-wide one is shared with every other test's loads.
+        let mut pool = Pool::default();
         let len = 24 << 20;
-        let first = Mapping::take(len).unwrap();
+        let first = Mapping::fresh(len).unwrap();
         let addr = first.as_ptr();
         // SAFETY: the mapping is ours and `len` bytes long.
         unsafe { addr.as_ptr().write_bytes(7, len) };
-        drop(first);
-        assert!(pooled_bytes() >= len);
-        let second = Mapping::take(len - 4096).unwrap();
+        assert!(pool.put(first, 1 << 30).is_empty());
+        assert_eq!(pool.bytes, len);
+        let second = pool.take_fit(len - 4096).expect("a similar size fits");
         assert_eq!(
             second.as_ptr(),
             addr,
@@ -291,11 +304,21 @@ mod tests {
         );
         // SAFETY: in bounds; the pooled memory keeps what was written (already faulted in).
         assert_eq!(unsafe { *second.as_ptr().as_ptr().add(len / 2) }, 7);
-        drop(second);
-        let far = Mapping::take(len * 4).unwrap();
-        assert_ne!(far.as_ptr(), addr, "a much larger size gets fresh memory");
-        drop(far);
-        assert!(release() >= len);
-        assert_eq!(pooled_bytes(), 0);
+        assert!(pool.put(second, 1 << 30).is_empty());
+        assert!(
+            pool.take_fit(len * 4).is_none(),
+            "a much larger size gets fresh memory"
+        );
+        assert!(pool.take_fit(len / 4).is_none(), "a much smaller one too");
+        // Over the bound: the oldest goes back.
+        let other = Mapping::fresh(len).unwrap();
+        let evicted = pool.put(other, len);
+        assert_eq!(evicted.len(), 1);
+        assert_eq!(evicted[0].as_ptr(), addr, "the oldest is evicted first");
+        assert_eq!(pool.bytes, len);
+        evicted.into_iter().for_each(Mapping::unmap);
+        for p in std::mem::take(&mut pool.free) {
+            p.mapping.unmap();
+        }
     }
 }

@@ -312,7 +312,14 @@ impl ReadAhead {
                 }
                 // Page cache: the view needs nothing from the worker; the caller's touches of
                 // pages it is reading wait for those pages only.
-                Slot::Reading if shared.mode == Mode::PageCache => return Ok(None),
+                Slot::Reading if shared.mode == Mode::PageCache => {
+                    // Taken now; the worker's populate goes on and leaves the slot as it is.
+                    state.slots[index] = Slot::Done;
+                    state.held -= size;
+                    state.taken += size;
+                    shared.cv.notify_all();
+                    return Ok(None);
+                }
                 Slot::Reading | Slot::Wanted => {
                     let (next, _) = shared
                         .cv

@@ -66,15 +66,6 @@ pub struct Row {
 }
 
 impl Row {
-    /// Bytes from the first run's start to the last run's end.
-    pub fn span(&self) -> usize {
-        if self.count == 0 {
-            0
-        } else {
-            (self.count - 1) * self.stride_bytes + self.run_bytes
-        }
-    }
-
     pub fn nbytes(&self) -> usize {
         self.count * self.run_bytes
     }

@@ -440,9 +440,14 @@ fn read_tensors(
         paths.dedup();
         format!("{} tensors of {}", wanted.len(), paths.join(", "))
     })?;
-    let mut buffers = buffer::allocate(&sizes).map_err(|e| match wanted.first() {
-        Some((s, t)) => sources[*s].read_err(t, e),
-        None => Error::Cancelled,
+    let mut buffers = buffer::allocate(&sizes).map_err(|e| {
+        let path = wanted.first().map_or(String::new(), |(s, _)| {
+            sources[*s].path.display().to_string()
+        });
+        Error::Memory(format!(
+            "cannot allocate {needed} bytes for {} tensors of {path}: {e}",
+            wanted.len()
+        ))
     })?;
     let targets = wanted
         .iter()

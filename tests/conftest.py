@@ -104,13 +104,6 @@ def assert_tensor_equal(a: Any, b: Any, context: str = "") -> None:
     assert raw_bytes(a) == raw_bytes(b), f"bytes differ{where}"
 
 
-def assert_dicts_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
-    assert list(a.keys()) == list(b.keys()) or sorted(a) == sorted(b), f"keys differ: {sorted(a)} vs {sorted(b)}"
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert_tensor_equal(a[k], b[k], k)
-
-
 def write_raw(path: Union[str, os.PathLike], header: Union[bytes, str, Any], data: bytes = b"",
               *, length: Optional[int] = None) -> str:
     """Writes ``<u64 header length><header><data>``: header may be a JSON-able object, a str, or

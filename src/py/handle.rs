@@ -560,7 +560,12 @@ fn gather(
     whole: &crate::buffer::TensorBytes,
 ) -> PyResult<crate::buffer::TensorBytes> {
     let mut out = crate::buffer::allocate(&[plan.nbytes])
-        .map_err(|e| to_py(Error::Serialize(format!("out of memory: {e}"))))?
+        .map_err(|e| {
+            to_py(Error::Memory(format!(
+                "cannot allocate {} bytes for a slice: {e}",
+                plan.nbytes
+            )))
+        })?
         .pop()
         .expect("one size, one buffer");
     slice::gather(plan, whole.as_slice(), out.as_mut_slice());
