@@ -95,11 +95,19 @@ impl Mapping {
     /// At least `len` bytes: the best-fitting pooled mapping, else a fresh one.
     pub fn take(len: usize) -> io::Result<Mapping> {
         let need = len.max(1).next_multiple_of(platform::page_size());
-        if let Ok(mut pool) = POOL.try_lock()
-            && let Some(mapping) = pool.take_fit(need)
-        {
-            return Ok(mapping);
+        let mut evicted = Vec::new();
+        if let Ok(mut pool) = POOL.try_lock() {
+            if let Some(mapping) = pool.take_fit(need) {
+                return Ok(mapping);
+            }
+            // New memory is about to be taken: the pool keeps no more than the headroom left
+            // for it (the rest goes back to the OS first, outside the lock).
+            if pool.bytes > 0 {
+                let limit = limit_with(pool.bytes);
+                evicted = pool.evict_over(limit);
+            }
         }
+        evicted.into_iter().for_each(Mapping::unmap);
         Self::fresh(need)
     }
 

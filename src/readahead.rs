@@ -19,7 +19,7 @@
 //! as it goes, and a tensor nobody asks for costs at most its share of the budget (its memory is
 //! released with the handle). [`ReadAhead::want_all`] lifts the window (every tensor was asked).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -52,8 +52,10 @@ pub fn budget_from_env() -> u64 {
     budget("SAFELOAD_READAHEAD_BYTES", DEFAULT_BUDGET)
 }
 
-/// Default budget of a prefetch loader (`SAFELOAD_PREFETCH_BYTES`).
-pub const DEFAULT_PREFETCH_BUDGET: u64 = 1 << 30;
+/// Default budget of a prefetch loader (`SAFELOAD_PREFETCH_BYTES`): a loader's tensors are the
+/// caller's final memory, which a caller taking every tensor holds in the end anyway, and a
+/// window as large as the file lets it be read in file order whatever the order of the takes.
+pub const DEFAULT_PREFETCH_BUDGET: u64 = 4 << 30;
 
 /// A prefetch loader's budget when the caller gives none: `SAFELOAD_PREFETCH_BYTES`, else
 /// [`DEFAULT_PREFETCH_BUDGET`], at most a quarter of what the process may still take.
@@ -152,6 +154,11 @@ struct Shared {
     budget: u64,
     /// The window before anything was taken.
     first_window: u64,
+    /// A prefetch ([`ReadAhead::eager`]): a request for a tensor the walk will reach within
+    /// the window waits for it, so the file is read in file order whatever the request order.
+    eager: bool,
+    /// Workers running now (none: every request reads on demand).
+    running: AtomicUsize,
     /// The most bytes one batch claims (see [`batch_limit`]).
     batch_limit: u64,
     stop: AtomicBool,
@@ -185,7 +192,7 @@ impl ReadAhead {
     /// (page cache: [`PAGE_CACHE_FACTOR`] times it). Starts nothing until the first request.
     pub fn new(source: Arc<Source>, mode: Mode, opts: ReadOptions, budget: u64) -> ReadAhead {
         let items = source.header.tensors.clone();
-        Self::build(source, items, mode, opts, budget, FIRST_WINDOW)
+        Self::build(source, items, mode, opts, budget, FIRST_WINDOW, false)
     }
 
     /// Read-ahead of `items` (parts of `source`'s tensors: name, dtype and shape of what is
@@ -199,7 +206,7 @@ impl ReadAhead {
         opts: ReadOptions,
         budget: u64,
     ) -> ReadAhead {
-        let ahead = Self::build(source, items, mode, opts, budget, budget);
+        let ahead = Self::build(source, items, mode, opts, budget, budget, true);
         if !ahead.shared.items.is_empty() {
             let mut state = ahead.shared.lock();
             ahead.spawn(&mut state);
@@ -214,6 +221,7 @@ impl ReadAhead {
         opts: ReadOptions,
         budget: u64,
         first_window: u64,
+        eager: bool,
     ) -> ReadAhead {
         let n = items.len();
         let budget = match mode {
@@ -239,6 +247,8 @@ impl ReadAhead {
                 source,
                 items,
                 first_window,
+                eager,
+                running: AtomicUsize::new(0),
                 mode,
                 opts,
                 budget,
@@ -283,6 +293,9 @@ impl ReadAhead {
         }
         let size = shared.items[index].nbytes() as u64;
         loop {
+            let waits = shared.eager
+                && matches!(state.slots[index], Slot::Idle)
+                && shared.reaches(&state, index);
             match &mut state.slots[index] {
                 Slot::Provided(_) => {
                     // Not claimed yet: the caller reads it into its destination now.
@@ -327,6 +340,19 @@ impl ReadAhead {
                         .unwrap_or_else(|p| p.into_inner());
                     // `poll` may wait for the GIL, whose holder may be waiting for this lock
                     // (`wanted`, `provide`, the stats): never poll holding it.
+                    drop(next);
+                    if poll() {
+                        return Err(Error::Cancelled);
+                    }
+                    state = shared.lock();
+                }
+                // A prefetch reads in file order: wait for the walk where it will get here
+                // without any other tensor being taken first.
+                Slot::Idle if waits => {
+                    let (next, _) = shared
+                        .cv
+                        .wait_timeout(state, WAIT)
+                        .unwrap_or_else(|p| p.into_inner());
                     drop(next);
                     if poll() {
                         return Err(Error::Cancelled);
@@ -534,12 +560,20 @@ impl ReadAhead {
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         for _ in 0..count {
             let shared = self.shared.clone();
+            shared.running.fetch_add(1, Ordering::Relaxed);
             let spawned = std::thread::Builder::new()
                 .name("safeload-readahead".into())
-                .spawn(move || shared.work());
+                .spawn(move || {
+                    shared.work();
+                    shared.running.fetch_sub(1, Ordering::Relaxed);
+                    shared.cv.notify_all();
+                });
             // Without a thread there is no read-ahead: every request reads on demand.
-            if let Ok(handle) = spawned {
-                workers.push(handle);
+            match spawned {
+                Ok(handle) => workers.push(handle),
+                Err(_) => {
+                    self.shared.running.fetch_sub(1, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -597,6 +631,35 @@ impl Shared {
             }
         }
         Ok(dests)
+    }
+
+    /// Whether the walk reaches item `index` within the window as things stand: the bytes held
+    /// and those of the items it will claim before it fit (the walk advances on its own then).
+    fn reaches(&self, state: &State, index: usize) -> bool {
+        if self.mode == Mode::Provided
+            || self.stop.load(Ordering::Relaxed)
+            || self.running.load(Ordering::Relaxed) == 0
+        {
+            // Provided destinations come from the caller's own calls; without workers nothing
+            // moves the walk.
+            return false;
+        }
+        let n = state.slots.len();
+        let window = self.window(state);
+        let mut bytes = state.held;
+        for pos in state.scanned..n {
+            let i = (state.start + pos) % n;
+            if matches!(state.slots[i], Slot::Idle) {
+                bytes += self.items[i].nbytes() as u64;
+                if bytes > window {
+                    return false;
+                }
+            }
+            if i == index {
+                return true;
+            }
+        }
+        false
     }
 
     fn window(&self, state: &State) -> u64 {
@@ -957,6 +1020,46 @@ mod tests {
         assert!(fresh.take(5, true, &mut || false).unwrap().is_none());
         drop(fresh);
         remove(&path, source, ahead);
+    }
+
+    #[test]
+    fn a_prefetch_reads_in_file_order_whatever_the_request_order() {
+        let (path, tensors) = sample("eager", 24, 256 << 10);
+        let source = open(&path);
+        let items = source.header.tensors.clone();
+        // A window as large as the file: every request, backwards, waits for the walk (none is
+        // read on demand, which would return None here).
+        let ahead = ReadAhead::eager(
+            source.clone(),
+            items.clone(),
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            64 << 20,
+        );
+        for i in (0..24).rev() {
+            let bytes = ahead.take(i, true, &mut || false).unwrap();
+            let bytes = bytes.expect("served by the walk");
+            assert_eq!(bytes.as_slice(), &tensors[i].1[..], "tensor {i}");
+        }
+        assert_eq!(ahead.totals().bytes_read, 24 * (256 << 10));
+        drop(ahead);
+        // A window of two tensors: requests beyond it are the caller's, nothing waits forever.
+        let small = ReadAhead::eager(
+            source.clone(),
+            items,
+            Mode::Owned(Strategy::Pread),
+            ReadOptions::default(),
+            512 << 10,
+        );
+        let mut own = 0;
+        for i in (0..24).rev() {
+            match small.take(i, true, &mut || false).unwrap() {
+                Some(bytes) => assert_eq!(bytes.as_slice(), &tensors[i].1[..]),
+                None => own += 1,
+            }
+        }
+        assert!(own > 0);
+        remove(&path, source, small);
     }
 
     #[test]

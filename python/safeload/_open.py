@@ -183,8 +183,9 @@ class safe_open:
         first dimension) in the background, in file order, and returns a
         :class:`~safeload.PrefetchLoader` at once (safetensors 0.9). ``device``: the handle's
         when None. At most ``budget_bytes`` are read and not taken yet
-        (``$SAFELOAD_PREFETCH_BYTES``, default 1 GiB). ``threads``: the reader's workers; None
-        (upstream's default is 8) picks them from the cores and the storage, as every read does."""
+        (``$SAFELOAD_PREFETCH_BYTES``, default 4 GiB; 1 GiB of pinned staging for CUDA).
+        ``threads``: the reader's workers; None (upstream's default is 8) picks them from the
+        cores and the storage, as every read does."""
         return _prefetch.start(self._handle, self._convert, self._device, plan, device, threads,
                                budget_bytes)
 

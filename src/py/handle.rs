@@ -350,7 +350,7 @@ impl Handle {
 
     /// safetensors 0.9's `prefetch`: starts reading `plan` (a dict `name -> None | slice` of the
     /// first dimension; every tensor when None) in the background, in file order, with at most
-    /// `budget_bytes` read and not taken (`SAFELOAD_PREFETCH_BYTES`, default 1 GiB), and returns
+    /// `budget_bytes` read and not taken (`SAFELOAD_PREFETCH_BYTES`, default 4 GiB), and returns
     /// the loader at once. `provided`: into destinations the loader's `take` gets made (devices).
     #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, provided=false))]
     fn prefetch(
