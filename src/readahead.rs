@@ -333,32 +333,11 @@ impl ReadAhead {
                     shared.cv.notify_all();
                     return Ok(None);
                 }
-                Slot::Reading | Slot::Wanted => {
-                    let (next, _) = shared
-                        .cv
-                        .wait_timeout(state, WAIT)
-                        .unwrap_or_else(|p| p.into_inner());
-                    // `poll` may wait for the GIL, whose holder may be waiting for this lock
-                    // (`wanted`, `provide`, the stats): never poll holding it.
-                    drop(next);
-                    if poll() {
-                        return Err(Error::Cancelled);
-                    }
-                    state = shared.lock();
-                }
-                // A prefetch reads in file order: wait for the walk where it will get here
-                // without any other tensor being taken first.
-                Slot::Idle if waits => {
-                    let (next, _) = shared
-                        .cv
-                        .wait_timeout(state, WAIT)
-                        .unwrap_or_else(|p| p.into_inner());
-                    drop(next);
-                    if poll() {
-                        return Err(Error::Cancelled);
-                    }
-                    state = shared.lock();
-                }
+                // Being read or given a destination; or, in a prefetch (which reads in file
+                // order), not reached yet where the walk will get here without any other tensor
+                // being taken first: wait.
+                Slot::Reading | Slot::Wanted => state = shared.wait(state, poll)?,
+                Slot::Idle if waits => state = shared.wait(state, poll)?,
                 Slot::Idle => {
                     state.slots[index] = Slot::Done;
                     state.taken += size;
@@ -631,6 +610,25 @@ impl Shared {
             }
         }
         Ok(dests)
+    }
+
+    /// Waits a while for the workers, then checks for cancellation. `poll` may wait for the
+    /// GIL, whose holder may be waiting for this lock (`wanted`, `provide`, the stats): it is
+    /// never called holding it.
+    fn wait<'a>(
+        &'a self,
+        state: MutexGuard<'a, State>,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<MutexGuard<'a, State>> {
+        let (next, _) = self
+            .cv
+            .wait_timeout(state, WAIT)
+            .unwrap_or_else(|p| p.into_inner());
+        drop(next);
+        if poll() {
+            return Err(Error::Cancelled);
+        }
+        Ok(self.lock())
     }
 
     /// Whether the walk reaches item `index` within the window as things stand: the bytes held
