@@ -78,8 +78,10 @@ IDLE_SCRIPT = textwrap.dedent("""
     loaded = rss()
     del t
     held = safeload.pooled_bytes()
-    deadline = time.monotonic() + 60  # the reaper runs every idle/2 s: wait for it, not a fixed time
-    while safeload.pooled_bytes() and time.monotonic() < deadline:
+    # The reaper runs every idle/2 s and unmaps after it empties the pool: wait for both (up to
+    # 60 s, not a fixed time); the assertions below say whether they happened.
+    deadline = time.monotonic() + 60
+    while (safeload.pooled_bytes() or rss() - base >= 4 << 20) and time.monotonic() < deadline:
         time.sleep(0.05)
     print(held, safeload.pooled_bytes(), loaded - base, rss() - base)
 """)
