@@ -27,7 +27,12 @@ def big_file(tmp_path_factory):
     """A 96 MiB file written by safetensors 0.8 (six 16 MiB tensors)."""
     path = tmp_path_factory.mktemp("mem") / "big.safetensors"
     gen = torch.Generator().manual_seed(0)
-    st_torch.save_file({f"t{i}": torch.randn(4 * MIB // 1, generator=gen) for i in range(6)}, str(path))
+    st_torch.save_file({f"t{i}": torch.randn(4 * MIB, generator=gen) for i in range(6)}, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, so that the tests can evict them (dirty ones stay cached)
+    finally:
+        os.close(fd)
     return str(path)
 
 
