@@ -55,7 +55,7 @@ impl Storage {
         Ok(Storage::Heap { ptr, len })
     }
 
-    /// Anonymous memory aligned to [`platform::MAP_ALIGN`] (2 MiB on Linux; what uncached reads
+    /// Anonymous memory aligned to the platform's map alignment (2 MiB on Linux; what uncached reads
     /// need too), advised to use huge pages where that cannot stall; memory freed by an earlier
     /// load is reused when one of a similar size is pooled (see [`crate::pool`]).
     pub fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
@@ -205,8 +205,10 @@ impl Fresh {
         self.0.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+    /// The bytes as they are now (tests check what a reader wrote).
+    #[cfg(test)]
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.as_slice()
     }
 
     /// The bytes, to be filled by a reader.
@@ -218,11 +220,6 @@ impl Fresh {
         // bytes are initialised; the inner TensorBytes has not been cloned (this type is not
         // Clone and only `into_shared` lets it out), so `&mut self` is the only access.
         unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr(), self.0.len()) }
-    }
-
-    /// The bytes as they are now.
-    pub fn as_slice(&self) -> &[u8] {
-        self.0.as_slice()
     }
 
     /// The filled bytes, shareable (with Python, with other views).

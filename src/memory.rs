@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
 use crate::platform;
 
 /// A v1 limit at or above this is "no limit" (the kernel reports `PAGE_COUNTER_MAX` pages).
@@ -51,7 +50,7 @@ pub fn user_limit() -> Option<u64> {
     *LIMIT.get_or_init(|| {
         std::env::var("SAFELOAD_MEMORY_LIMIT")
             .ok()
-            .and_then(|v| crate::readahead::parse_bytes(&v))
+            .and_then(|v| parse_bytes(&v))
     })
 }
 
@@ -106,6 +105,11 @@ fn cache() -> &'static Mutex<Option<(Instant, Budget)>> {
     CACHE.get_or_init(|| Mutex::new(None))
 }
 
+/// Makes the next [`snapshot`] work the bounds out afresh (after memory was given back).
+pub fn forget_snapshot() {
+    *cache().lock().unwrap_or_else(|p| p.into_inner()) = None;
+}
+
 /// The bounds now (worked out at most every [`REFRESH`]).
 pub fn snapshot() -> Budget {
     let mut cached = cache().lock().unwrap_or_else(|p| p.into_inner());
@@ -137,33 +141,23 @@ pub fn available() -> Option<u64> {
     snapshot().available()
 }
 
-/// Checks that `needed` bytes of new owned memory fit what is available, giving the pool's
-/// memory back first when that makes them fit; else an error naming `what` is loaded, the bytes
-/// needed and available, and what to do instead. Nothing has been read when it fails.
-pub fn ensure_fits(needed: u64, what: impl FnOnce() -> String) -> Result<()> {
-    let fits = |b: &Budget| b.available().is_none_or(|a| needed <= a);
-    if fits(&snapshot()) {
-        return Ok(());
-    }
-    if crate::pool::pooled_bytes() > 0 {
-        crate::pool::release();
-        *cache().lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-    let budget = snapshot();
-    if fits(&budget) {
-        return Ok(());
-    }
-    let available = budget.available().unwrap_or(0);
-    Err(Error::Memory(format!(
-        "loading {} needs {needed} bytes ({:.2} GiB) of new memory, but {available} bytes \
-         ({:.2} GiB) are available ({}): map it instead (backend=\"mmap\" or \"auto\", which \
-         shares the page cache), stream it (safeload.torch.iter_checkpoint, with a \
-         max_inflight_bytes below what is available), or raise the limit",
-        what(),
-        needed as f64 / (1u64 << 30) as f64,
-        available as f64 / (1u64 << 30) as f64,
-        budget.source(),
-    )))
+/// `"1073741824"`, `"1GiB"`, `"512MiB"`, `"64KiB"`, `"2GB"` ... as bytes.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let number: f64 = number.parse().ok()?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return None,
+    };
+    (number >= 0.0).then_some((number * scale as f64) as u64)
 }
 
 // -- cgroups ----------------------------------------------------------------------------------
@@ -282,6 +276,18 @@ fn unescape(field: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("1024"), Some(1024));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
+        assert_eq!(parse_bytes("256MiB"), Some(256 << 20));
+        assert_eq!(parse_bytes(" 8 GiB "), Some(8 << 30));
+        assert_eq!(parse_bytes("1.5g"), Some(3 << 29));
+        assert_eq!(parse_bytes("0"), Some(0));
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("5 parsecs"), None);
+    }
+
     use super::*;
 
     /// A fixture root: `files` are (path under the root, contents).

@@ -17,6 +17,8 @@ use std::ptr::NonNull;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
+use crate::memory;
 use crate::platform;
 
 /// An anonymous mapping of `capacity` bytes, aligned to [`platform::MAP_ALIGN`]; its memory is
@@ -63,7 +65,7 @@ fn limit_with(pooled: usize) -> usize {
     let fixed = *FIXED.get_or_init(|| {
         std::env::var("SAFELOAD_POOL_BYTES")
             .ok()
-            .and_then(|v| crate::readahead::parse_bytes(&v))
+            .and_then(|v| crate::memory::parse_bytes(&v))
             .map(|b| b as usize)
     });
     if let Some(bytes) = fixed {
@@ -278,6 +280,35 @@ pub fn release() -> usize {
 /// Bytes held by the pool now.
 pub fn pooled_bytes() -> usize {
     POOL.lock().map_or(0, |p| p.bytes)
+}
+
+/// Checks that `needed` bytes of new owned memory fit what is available, giving the pool's
+/// memory back first when that makes them fit; else an error naming `what` is loaded, the bytes
+/// needed and available, and what to do instead. Nothing has been read when it fails.
+pub fn ensure_fits(needed: u64, what: impl FnOnce() -> String) -> Result<()> {
+    let fits = |b: &memory::Budget| b.available().is_none_or(|a| needed <= a);
+    if fits(&memory::snapshot()) {
+        return Ok(());
+    }
+    if pooled_bytes() > 0 {
+        release();
+        memory::forget_snapshot();
+    }
+    let budget = memory::snapshot();
+    if fits(&budget) {
+        return Ok(());
+    }
+    let available = budget.available().unwrap_or(0);
+    Err(Error::Memory(format!(
+        "loading {} needs {needed} bytes ({:.2} GiB) of new memory, but {available} bytes \
+         ({:.2} GiB) are available ({}): map it instead (backend=\"mmap\" or \"auto\", which \
+         shares the page cache), stream it (safeload.torch.iter_checkpoint, with a \
+         max_inflight_bytes below what is available), or raise the limit",
+        what(),
+        needed as f64 / (1u64 << 30) as f64,
+        available as f64 / (1u64 << 30) as f64,
+        budget.source(),
+    )))
 }
 
 #[cfg(test)]

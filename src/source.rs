@@ -432,7 +432,7 @@ fn read_tensors(
         .map(|((_, t), d)| bytes_as(t, *d).expect("supported, checked above"))
         .collect();
     let needed: u64 = sizes.iter().map(|&n| n as u64).sum();
-    crate::memory::ensure_fits(needed, || {
+    crate::pool::ensure_fits(needed, || {
         let mut paths: Vec<String> = wanted
             .iter()
             .map(|(s, _)| sources[*s].path.display().to_string())

@@ -2,35 +2,10 @@
 //! page-cache residency (`mincore`), and available memory.
 
 use std::fs::File;
-use std::path::Path;
 
 use crate::platform;
 
-/// Where a file's bytes come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsKind {
-    /// A local block-device filesystem (ext4, xfs, btrfs, overlay ...).
-    Local,
-    /// Memory-backed (tmpfs, ramfs): already in RAM, O_DIRECT pointless or refused.
-    Memory,
-    /// Network or userspace: FUSE (hf-mount, s3fs, virtiofs ...), NFS, SMB, Lustre, CephFS, GPFS, 9p.
-    Network(&'static str),
-}
-
-impl FsKind {
-    /// The kind of filesystem `file` (opened from `path`) lives on.
-    pub fn of(file: &File, path: &Path) -> FsKind {
-        platform::fs_kind(file, path)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            FsKind::Local => "local",
-            FsKind::Memory => "memory",
-            FsKind::Network(name) => name,
-        }
-    }
-}
+pub use crate::platform::FsKind;
 
 /// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, sampled (see
 /// [`platform::cached_fraction`]); None when it cannot be told.

@@ -2,9 +2,9 @@
 //! table, and mutated or truncated headers are rejected (or parse to a valid table) without panics.
 
 use proptest::prelude::*;
-use safeload::dtype::Dtype;
-use safeload::header::{self, byte_size};
-use safeload::serialize::{TensorIn, to_bytes};
+use safeload::{
+    Dtype, Header, HeaderError, TensorIn, byte_size, header_len, parse_header, to_bytes,
+};
 
 fn tensor_spec() -> impl Strategy<Value = (String, Dtype, Vec<usize>)> {
     (
@@ -43,9 +43,9 @@ fn file_of(
     to_bytes(&mut tensors, metadata.as_deref()).unwrap()
 }
 
-fn parse_file(bytes: &[u8]) -> Result<header::Header, header::HeaderError> {
-    let n = header::header_len(bytes, bytes.len() as u64)?;
-    header::parse(&bytes[8..8 + n as usize], bytes.len() as u64)
+fn parse_file(bytes: &[u8]) -> Result<Header, HeaderError> {
+    let n = header_len(bytes, bytes.len() as u64)?;
+    parse_header(&bytes[8..8 + n as usize], bytes.len() as u64)
 }
 
 proptest! {

@@ -180,3 +180,19 @@ def test_load_file_dtype_is_bit_exact(tmp_path):
         for k in ("f", "h"):
             assert got[k].dtype == dtype
             assert raw_bytes(got[k]) == raw_bytes(w[k].to(dtype)), (k, dtype)
+
+
+def test_load_into_views_of_one_buffer_that_are_not_neighbours(tmp_path):
+    # "big" overlaps both views; the views do not overlap each other, and sorted by address
+    # "v1" lies between "big" and "v2". Every one of them must take the copy path, in order, as
+    # copy_ would give: big's values, then each view's over its part.
+    path = str(tmp_path / "w.safetensors")
+    w = {"big": torch.randn(100), "v1": torch.randn(10), "v2": torch.randn(10)}
+    st.save_file(w, path)
+    base = torch.zeros(100)
+    dests = {"big": base, "v1": base[10:20], "v2": base[30:40]}
+    sl.load_into(dests, path)
+    want = w["big"].clone()
+    want[10:20] = w["v1"]
+    want[30:40] = w["v2"]
+    assert torch.equal(base, want)

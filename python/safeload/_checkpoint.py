@@ -9,7 +9,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS
+from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
 from ._open import Stats, resolve_backend
 from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, SafetensorError
 
@@ -99,8 +99,6 @@ def load_checkpoint(
                                        drop_cache, callback, stats):
             _add(out, name, tensor)
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
-        from ._into import dtype_code
-
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         try:
             items, counters = ckpt.read(dtype=dtype_code(dtype))

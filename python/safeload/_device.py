@@ -6,14 +6,14 @@ fails at ``safe_open`` with a clear message instead of half way through a load.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ._safeload import SafetensorError
 
 _INDEXED = ("cuda", "musa", "npu", "xpu", "xla", "mlu", "hpu")
 
 
-def parse(device: Any) -> Optional[str]:
+def parse(device: Any) -> str:
     """Returns a torch device string ("cpu", "cuda:0", "mps", "1" ...), as 0.8 would name it."""
     if device is None:
         return "cpu"
@@ -66,7 +66,7 @@ def torch_device(name: str) -> Any:
         raise SafetensorError(
             f"device {name} is not available: torch {torch.__version__} has no usable {kind} backend"
         )
-    if index and hasattr(module, "device_count"):
+    if index and module is not None and hasattr(module, "device_count"):
         count = module.device_count()
         if int(index) >= count:
             raise SafetensorError(

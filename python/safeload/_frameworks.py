@@ -10,7 +10,7 @@ through ``frombuffer``. Other frameworks convert from numpy.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._safeload import Bytes, SafetensorError
 
@@ -225,7 +225,7 @@ def raw_view(data: Any) -> memoryview:
             import numpy as np
         except ImportError:  # pragma: no cover - numpy is optional
             return memoryview(bytearray(bytes(data)))
-        return memoryview(np.asarray(data))
+        return np.asarray(data).data
     return memoryview(data).cast("B")
 
 
@@ -260,3 +260,22 @@ MANY: Dict[str, Callable[..., Dict[str, Any]]] = {
     name: {"pytorch": torch_many, "numpy": numpy_many}.get(name) or _many(convert)
     for name, convert in CONVERTERS.items()
 }
+
+
+# torch dtype name -> format code, for the dtypes the reader converts between.
+FLOAT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def float_code(dtype: Any) -> Optional[str]:
+    """"F32", "F16" or "BF16" for the torch dtypes the reader converts between, else None."""
+    return FLOAT_CODES.get(str(dtype).replace("torch.", ""))
+
+
+def dtype_code(dtype: Any) -> Optional[str]:
+    """The format code of a torch floating dtype the reader converts to ("F32", "F16", "BF16")."""
+    if dtype is None:
+        return None
+    code = float_code(dtype)
+    if code is None:
+        raise SafetensorError(f"dtype {dtype} cannot be converted to on load (F32, F16 or BF16)")
+    return code

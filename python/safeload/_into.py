@@ -11,9 +11,10 @@ through the device path, then ``copy_``), and tensors that share memory with one
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ._frameworks import torch_shape
+from ._checkpoint import resolve
+from ._frameworks import FLOAT_CODES, float_code, torch_dtype, torch_many, torch_shape
 from ._open import DEFAULT_BACKEND, resolve_backend
 from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
@@ -21,35 +22,14 @@ from ._safeload import Checkpoint, SafetensorError
 #: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
 COPY_BATCH_BYTES = 256 << 20
 
-# torch dtype name -> format code, for the dtypes the reader converts between.
-_FLOAT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-
-
-def _float_code(dtype: Any) -> Optional[str]:
-    """"F32", "F16" or "BF16" for the torch dtypes the reader converts between, else None."""
-    return _FLOAT_CODES.get(str(dtype).replace("torch.", ""))
-
-
-def dtype_code(dtype: Any) -> Optional[str]:
-    """The format code of a torch floating dtype the reader converts to ("F32", "F16", "BF16")."""
-    if dtype is None:
-        return None
-    code = _float_code(dtype)
-    if code is None:
-        raise SafetensorError(f"dtype {dtype} cannot be converted to on load (F32, F16 or BF16)")
-    return code
-
-
 def _direct(t: Any, code: str, shape: List[int]) -> bool:
     """Whether the reader can fill ``t`` in place with a tensor of ``code`` and ``shape``."""
     return (t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse
-            and (_float_code(t.dtype) is not None and code in _FLOAT_CODES.values()
+            and (float_code(t.dtype) is not None and code in FLOAT_CODES.values()
                  or _same_dtype(t, code)))
 
 
 def _same_dtype(t: Any, code: str) -> bool:
-    from ._frameworks import torch_dtype
-
     try:
         return t.dtype == torch_dtype(code)
     except SafetensorError:
@@ -60,10 +40,13 @@ def _overlapping(tensors: Dict[str, Any]) -> set:
     """Names whose memory overlaps another's (tied weights, views of one buffer)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
                    for n, t in tensors.items() if t.numel())
-    out = set()
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
-        if b0 < a1:
-            out.update((an, bn))
+    out: Set[str] = set()
+    end, reaching = -1, ""  # the furthest end so far, and whose it is
+    for start, stop, name in spans:
+        if start < end:
+            out.update((reaching, name))
+        if stop > end:
+            end, reaching = stop, name
     return out
 
 
@@ -73,8 +56,6 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
     match (checked before anything is read). Returns the read's :class:`Stats`."""
-    from ._checkpoint import resolve
-
     ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), threads=threads,
                       chunk_bytes=chunk_bytes, drop_cache=drop_cache)
     try:
@@ -101,8 +82,6 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
     taken = set(direct)
     rest = [n for n in tensors if n not in taken]
     if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
-        from ._frameworks import torch_many
-
         for batch in ckpt.batches(rest, max_bytes=COPY_BATCH_BYTES):
             items, more = ckpt.read(batch)
             with torch.no_grad():
@@ -119,7 +98,7 @@ def _byte_view(t: Any, code: str) -> Any:
     import torch
 
     t = t.detach()
-    if _float_code(t.dtype) is not None:
+    if float_code(t.dtype) is not None:
         return t
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
@@ -145,8 +124,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     caller then goes through ``load_state_dict``)."""
     import torch
 
-    from ._checkpoint import resolve
-    from .torch import _remove_duplicate_names
+    from ._shared import _remove_duplicate_names
 
     if _custom_loading(model):
         return None
@@ -169,18 +147,6 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
         ckpt.close()
     missing = {n for n in state if n not in infos}
     unexpected = [n for n in infos if n not in state]
+    from ._shared import account_removed
+
     return account_removed(to_removes, missing, unexpected)
-
-
-def account_removed(to_removes: Dict[str, List[str]], missing: set,
-                    unexpected: List[str]) -> Tuple[set, List[str]]:
-    """safetensors' bookkeeping of names dropped as duplicates of shared memory: expected
-    missing ones are not missing, present ones are unexpected."""
-    for group in to_removes.values():
-        for name in group:
-            if name not in missing:
-                unexpected.append(name)
-            else:
-                missing.remove(name)
-    return missing, unexpected
-

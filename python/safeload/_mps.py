@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from ._frameworks import torch_dtype, torch_shape
 from ._logging import logger
 from ._safeload import Handle
+from ._stats import StagingStats
 
 Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end)
 Progress = Callable[[int, int], None]
@@ -137,14 +138,13 @@ def load(
     wanted: Sequence[Sequence[Info]],
     device: Any,
     progress: Optional[Progress] = None,
-) -> Optional[Dict[str, Any]]:
+) -> Optional[Tuple[Dict[str, Any], StagingStats]]:
     """Reads ``wanted`` (per handle, the tensors in offset order, already checked) into MPS
-    tensors on ``device`` through host aliases. Returns the tensors in file order, or None,
-    having read nothing, when the alias path is not usable here (the caller falls back)."""
+    tensors on ``device`` through host aliases. Returns the tensors in file order and what the
+    load did, or None, having read nothing, when the alias path is not usable here (the caller
+    falls back)."""
     global alias_usable, last_path
     import torch
-
-    from . import _staging
 
     started = time.perf_counter()
     alias_fn = _alias_function(torch)
@@ -189,11 +189,10 @@ def load(
     aliases.clear()
     last_path = "alias"
 
-    stats = _staging.StagingStats()
+    stats = StagingStats()
     stats.bytes = total
     stats.tensors = len(out)
     stats.fills = len(writes)
     stats.seconds = time.perf_counter() - started
-    _staging.last_stats = stats
     # File order (offset order per file, files in order), as the other paths return.
-    return {t[0]: out[t[0]] for infos in wanted for t in infos}
+    return {t[0]: out[t[0]] for infos in wanted for t in infos}, stats

@@ -7,7 +7,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device, _logging, _mps, _prefetch, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, MANY
+from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
 
@@ -196,8 +196,6 @@ class safe_open:
 
 
 def _into_code(dtype: Any) -> str:
-    from ._into import dtype_code
-
     return dtype_code(dtype)  # type: ignore[return-value]
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
 from ._safeload import Handle, SafetensorError, memory_info, staging_fills
-from ._stats import Stats
+from ._stats import StagingStats, Stats
 
 DEFAULT_RING_BUFFERS = 4
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -303,38 +303,6 @@ def make_sink(device: Any) -> Sink:
 # -- loader ---------------------------------------------------------------------------------------
 
 
-class StagingStats:
-    """What a staged load did. ``staging_bytes``: host staging memory allocated (pinned for CUDA);
-    ``peak_in_flight``: most staging bytes filled and not yet known copied; both are bounded by
-    the ring (``ring_buffers * buffer_bytes``)."""
-
-    __slots__ = ("bytes", "tensors", "fills", "buffers", "buffer_bytes", "ring_bytes",
-                 "staging_bytes", "peak_in_flight", "pinned", "seconds")
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.tensors = 0
-        self.fills = 0
-        self.buffers = 0
-        self.buffer_bytes = 0
-        self.ring_bytes = 0
-        self.staging_bytes = 0
-        self.peak_in_flight = 0
-        self.pinned = False
-        self.seconds = 0.0
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.staging_bytes if self.pinned else 0
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes / self.seconds / 2**30 if self.seconds else 0.0
-
-    def __repr__(self) -> str:
-        return "StagingStats(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
-
-
 #: Stats of the most recent staged load in this process (tests and benchmarks read it).
 last_stats: Optional[StagingStats] = None
 
@@ -373,6 +341,7 @@ def load_to_device(
     source); all when None. ``sink``: replaces the device's (tests). Returns a dict in file order
     of typed tensors, each with its own storage, every copy complete. Paths are opened with the
     pread engine (``threads``, ``chunk_bytes``, ``drop_cache``) and closed after."""
+    global last_stats
     single = isinstance(sources, (Handle, str, os.PathLike))
     items: List[Any] = [sources] if single else list(sources)  # type: ignore[arg-type]
     if names is None:
@@ -406,8 +375,9 @@ def load_to_device(
                 opened.append(h)
                 handles.append(h)
         if mps is not None:
-            out = _mps.load(handles, wanted_tensors(handles, per_source), mps, progress)
-            if out is not None:
+            loaded = _mps.load(handles, wanted_tensors(handles, per_source), mps, progress)
+            if loaded is not None:
+                out, last_stats = loaded
                 return out
             sink = make_sink(mps)  # no usable alias: host memory, then .to
         assert sink is not None

@@ -43,3 +43,35 @@ class Stats:
         self.seconds += other.seconds
         self.threads = max(self.threads, other.threads)
         return self
+
+
+class StagingStats:
+    """What a staged load did. ``staging_bytes``: host staging memory allocated (pinned for CUDA);
+    ``peak_in_flight``: most staging bytes filled and not yet known copied; both are bounded by
+    the ring (``ring_buffers * buffer_bytes``)."""
+
+    __slots__ = ("bytes", "tensors", "fills", "buffers", "buffer_bytes", "ring_bytes",
+                 "staging_bytes", "peak_in_flight", "pinned", "seconds")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+        self.fills = 0
+        self.buffers = 0
+        self.buffer_bytes = 0
+        self.ring_bytes = 0
+        self.staging_bytes = 0
+        self.peak_in_flight = 0
+        self.pinned = False
+        self.seconds = 0.0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.staging_bytes if self.pinned else 0
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes / self.seconds / 2**30 if self.seconds else 0.0
+
+    def __repr__(self) -> str:
+        return "StagingStats(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"

@@ -365,8 +365,6 @@ def load_checkpoint(
             raise SafetensorError("plan= reads per-rank slices; it does not combine with ranks_needing/selection")
         return _load_plan(path_or_paths, target, process_group, plan, backend, threads, chunk_bytes,
                           drop_cache, return_stats)
-    import torch
-
     dist = _dist()
     group = _group(process_group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from . import _checkpoint, _into
+from ._shared import (  # noqa: F401 (safetensors.torch has these names)
+    _end_ptr,
+    _filter_shared_not_shared,
+    _find_shared_tensors,
+    _is_complete,
+    _remove_duplicate_names,
+    account_removed,
+    storage_ptr,
+    storage_size,
+)
 from ._frameworks import torch_dtype
 from ._open import DEFAULT_BACKEND, safe_open
 from ._safeload import TensorSpec, deserialize, serialize, serialize_file
@@ -45,101 +54,6 @@ del _code
 
 def _getdtype(dtype_str: str) -> Any:
     return _TYPES[dtype_str]
-
-
-# -- storage helpers (names and behaviour of safetensors.torch) ------------------------------
-
-
-def storage_ptr(tensor: torch.Tensor) -> int:
-    """Address of the storage under ``tensor`` (0 for meta tensors)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except Exception:
-        try:
-            return tensor.storage().data_ptr()
-        except NotImplementedError:
-            return 0
-
-
-def storage_size(tensor: torch.Tensor) -> int:
-    """Bytes of the storage under ``tensor``."""
-    try:
-        return tensor.untyped_storage().nbytes()
-    except AttributeError:
-        try:
-            return tensor.storage().size() * _SIZE[tensor.dtype]
-        except NotImplementedError:
-            return tensor.nelement() * _SIZE[tensor.dtype]
-
-
-def _end_ptr(tensor: torch.Tensor) -> int:
-    if tensor.nelement():
-        return tensor.view(-1)[-1].data_ptr() + _SIZE[tensor.dtype]
-    return tensor.data_ptr()
-
-
-def _filter_shared_not_shared(tensors: List[Set[str]], state_dict: Dict[str, torch.Tensor]) -> List[Set[str]]:
-    """Splits groups sharing a storage into groups whose byte ranges actually overlap."""
-    result: List[Set[str]] = []
-    for group in tensors:
-        if len(group) < 2:
-            result.append(group)
-            continue
-        areas = sorted((state_dict[n].data_ptr(), _end_ptr(state_dict[n]), n) for n in group)
-        _, last_stop, first = areas[0]
-        result.append({first})
-        for start, stop, name in areas[1:]:
-            if start >= last_stop:
-                result.append({name})
-            else:
-                result[-1].add(name)
-            last_stop = stop
-    return result
-
-
-def _find_shared_tensors(state_dict: Dict[str, torch.Tensor]) -> List[Set[str]]:
-    """Groups of names whose tensors overlap in memory."""
-    groups: Dict[Tuple[Any, int, int], Set[str]] = defaultdict(set)
-    for name, tensor in state_dict.items():
-        if tensor.device != torch.device("meta") and storage_ptr(tensor) != 0 and storage_size(tensor) != 0:
-            groups[(tensor.device, storage_ptr(tensor), storage_size(tensor))].add(name)
-    return _filter_shared_not_shared(list(sorted(groups.values())), state_dict)
-
-
-def _is_complete(tensor: torch.Tensor) -> bool:
-    return tensor.data_ptr() == storage_ptr(tensor) and tensor.nelement() * _SIZE[tensor.dtype] == storage_size(tensor)
-
-
-def _remove_duplicate_names(
-    state_dict: Dict[str, torch.Tensor],
-    *,
-    preferred_names: Optional[Iterable[str]] = None,
-    discard_names: Optional[Iterable[str]] = None,
-) -> Dict[str, List[str]]:
-    """For each group of shared tensors, the name to keep -> the names to drop."""
-    preferred = set(preferred_names or [])
-    discard = set(discard_names or [])
-    to_remove: Dict[str, List[str]] = defaultdict(list)
-    for shared in _find_shared_tensors(state_dict):
-        complete = {n for n in shared if _is_complete(state_dict[n])}
-        if not complete:
-            raise RuntimeError(
-                "Error while trying to find names to remove to save state dict, but found no suitable name to keep"
-                f" for saving amongst: {shared}. None is covering the entire storage.Refusing to save/load the model"
-                " since you could be storing much more memory than needed. Please refer to"
-                " https://huggingface.co/docs/safetensors/torch_shared_tensors for more information. Or open an"
-                " issue."
-            )
-        keep = sorted(complete)[0]
-        kept_not_discarded = complete - discard
-        if kept_not_discarded:
-            keep = sorted(kept_not_discarded)[0]
-        if preferred and preferred & complete:
-            keep = sorted(preferred & complete)[0]
-        for name in sorted(shared):
-            if name != keep:
-                to_remove[keep].append(name)
-    return to_remove
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -235,7 +149,7 @@ def save_model(
     except ValueError as e:
         raise ValueError(
             str(e) + " Or use save_model(..., force_contiguous=True), read the docs for potential caveats."
-        )
+        ) from e
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -282,7 +196,7 @@ def load_model(
         model_state_dict = model.state_dict()
         to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
         missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
-        missing, unexpected = _into.account_removed(to_removes, set(missing_list), unexpected)
+        missing, unexpected = account_removed(to_removes, set(missing_list), unexpected)
     if strict and (missing or unexpected):
         missing_keys = ", ".join(f'"{k}"' for k in sorted(missing))
         unexpected_keys = ", ".join(f'"{k}"' for k in sorted(unexpected))

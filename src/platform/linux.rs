@@ -8,8 +8,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::ptr::NonNull;
 
+use super::FsKind;
 use super::Uncached;
-use crate::storage::FsKind;
 
 pub use super::unix::{cached_fraction, page_size, read_at, read_vectored_at, unmap_anonymous};
 
@@ -88,6 +88,8 @@ const MAGICS: &[(u64, FsKind)] = &[
 pub fn fs_kind(file: &File, _path: &Path) -> FsKind {
     // SAFETY: fstatfs writes into the zeroed struct we pass; the fd is open.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the descriptor is open for the call (borrowed from `file`) and `st` is a valid,
+    // writable statfs.
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
         return FsKind::Local;
     }

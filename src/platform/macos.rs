@@ -9,8 +9,8 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
 
+use super::FsKind;
 use super::Uncached;
-use crate::storage::FsKind;
 
 pub use super::unix::{cached_fraction, page_size, read_at, read_vectored_at, unmap_anonymous};
 
@@ -56,6 +56,8 @@ const MEMORY: &[&str] = &["devfs", "tmpfs"];
 pub fn fs_kind(file: &File, _path: &Path) -> FsKind {
     // SAFETY: fstatfs writes into the zeroed struct we pass; the fd is open.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the descriptor is open for the call (borrowed from `file`) and `st` is a valid,
+    // writable statfs.
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
         return FsKind::Local;
     }
@@ -92,6 +94,8 @@ pub fn available_memory() -> Option<u64> {
     // SAFETY: host_statistics64 fills at most `count` natural_t's of the zeroed struct.
     let mut stats: libc::vm_statistics64 = unsafe { std::mem::zeroed() };
     let mut count = libc::HOST_VM_INFO64_COUNT;
+    // SAFETY: `stats` and `count` are valid and writable; `count` is the struct's size in
+    // natural_t's, so the call writes within it.
     let rc = unsafe {
         libc::host_statistics64(
             mach_host_self(),

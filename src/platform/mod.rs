@@ -17,8 +17,6 @@ use std::io::{self, IoSliceMut};
 use std::path::Path;
 use std::ptr::NonNull;
 
-use crate::storage::FsKind;
-
 #[cfg(unix)]
 mod unix;
 
@@ -26,6 +24,32 @@ mod unix;
 #[cfg_attr(target_vendor = "apple", path = "macos.rs")]
 #[cfg_attr(windows, path = "windows.rs")]
 mod os;
+
+/// Where a file's bytes come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsKind {
+    /// A local block-device filesystem (ext4, xfs, btrfs, overlay ...).
+    Local,
+    /// Memory-backed (tmpfs, ramfs): already in RAM, O_DIRECT pointless or refused.
+    Memory,
+    /// Network or userspace: FUSE (hf-mount, s3fs, virtiofs ...), NFS, SMB, Lustre, CephFS, GPFS, 9p.
+    Network(&'static str),
+}
+
+impl FsKind {
+    /// The kind of filesystem `file` (opened from `path`) lives on.
+    pub fn of(file: &File, path: &Path) -> FsKind {
+        fs_kind(file, path)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FsKind::Local => "local",
+            FsKind::Memory => "memory",
+            FsKind::Network(name) => name,
+        }
+    }
+}
 
 /// A second handle on a file that reads around the page cache.
 #[derive(Debug)]
@@ -142,6 +166,7 @@ pub fn page_size() -> usize {
 
 /// Alignment of [`map_anonymous`] memory: 2 MiB where huge pages exist (Linux), else a page (64
 /// KiB allocation granularity on Windows).
+#[cfg(test)]
 pub const MAP_ALIGN: usize = os::MAP_ALIGN;
 
 /// `len` bytes (rounded up to pages) of fresh, zeroed, writable memory aligned to [`MAP_ALIGN`],

@@ -29,12 +29,13 @@ use windows_sys::Win32::System::SystemInformation::{
 use windows_sys::Win32::System::Threading::GetCurrentProcess;
 use windows_sys::Win32::System::WindowsProgramming::{DRIVE_RAMDISK, DRIVE_REMOTE};
 
+use super::FsKind;
 use super::Uncached;
-use crate::storage::FsKind;
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = false;
 pub const MAP_IS_SAFE: bool = false;
 /// VirtualAlloc's allocation granularity.
+#[cfg(test)]
 pub const MAP_ALIGN: usize = 64 << 10;
 /// FILE_FLAG_NO_BUFFERING wants sector-aligned offsets, lengths and addresses; 4 KiB covers
 /// 512-byte and 4Kn sectors.
@@ -194,6 +195,7 @@ pub fn job_memory_headroom() -> Option<u64> {
 pub fn page_size() -> usize {
     // SAFETY: GetSystemInfo fills the struct we pass.
     let mut info: SYSTEM_INFO = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid, writable SYSTEM_INFO.
     unsafe { GetSystemInfo(&mut info) };
     (info.dwPageSize as usize).max(4096)
 }

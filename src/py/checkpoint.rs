@@ -7,10 +7,10 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
+use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
-use super::handle::{TensorTuple, options, parse_backend};
 use crate::checkpoint::{self, Entry, ReadStats};
 use crate::dtype::Dtype;
 use crate::error::Error;
@@ -30,13 +30,6 @@ fn stats(s: ReadStats) -> StatsTuple {
         s.seconds,
         s.storage,
     )
-}
-
-pub(super) fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
-    code.map(|c| {
-        Dtype::from_code(c).ok_or_else(|| SafetensorError::new_err(format!("dtype {c} is invalid")))
-    })
-    .transpose()
 }
 
 fn tuples(entries: &[Entry<'_>], read: crate::source::Tensors) -> Vec<TensorTuple> {

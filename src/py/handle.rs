@@ -7,6 +7,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
@@ -20,27 +21,6 @@ use crate::readahead::{self, Mode, ReadAhead};
 use crate::slice::{self, Index};
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::{Backend, Strategy};
-
-pub(super) fn parse_backend(name: &str) -> PyResult<Backend> {
-    Backend::parse(name).ok_or_else(|| {
-        SafetensorError::new_err(format!(
-            "backend {name:?} is invalid (expected one of: {})",
-            Backend::NAMES
-        ))
-    })
-}
-
-pub(super) fn options(
-    threads: Option<usize>,
-    chunk_bytes: Option<usize>,
-    drop_cache: bool,
-) -> ReadOptions {
-    ReadOptions {
-        threads: threads.map(|t| t.max(1)),
-        chunk_bytes,
-        drop_cache,
-    }
-}
 
 /// Totals over a handle's reads, for `f.stats`.
 #[derive(Default, Clone, Copy)]
@@ -65,8 +45,6 @@ pub struct Handle {
     ahead: Arc<OnceLock<Option<ReadAhead>>>,
 }
 
-/// (name, dtype code, shape, bytes): what Python turns into a tensor.
-pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
 /// (name, dtype code, shape, begin, end): a header entry.
 type InfoTuple = (String, &'static str, Vec<usize>, usize, usize);
 
@@ -425,7 +403,7 @@ impl Handle {
         names: Option<Vec<String>>,
         dtype: Option<&str>,
     ) -> PyResult<Vec<TensorTuple>> {
-        let dtype = super::checkpoint::parse_dtype(dtype)?;
+        let dtype = parse_dtype(dtype)?;
         let source = self.source()?;
         let infos: Vec<&TensorInfo> = match &names {
             None => source.header.tensors.iter().collect(),

@@ -2,6 +2,7 @@
 //! GIL around every read, and hands tensor bytes to Python as writable buffers. Framework
 //! adaptation (torch, numpy, ...) lives in `python/safeload/`.
 
+mod args;
 mod bytes;
 mod checkpoint;
 mod convert;

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
+use super::args::TensorTuple;
 use super::bytes::Bytes;
 use super::errors::{SafetensorError, detached, to_py};
-use super::handle::TensorTuple;
 use super::provided;
 use crate::error::Error;
 use crate::prefetch::{self, Rows};
