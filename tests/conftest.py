@@ -104,6 +104,31 @@ def assert_tensor_equal(a: Any, b: Any, context: str = "") -> None:
     assert raw_bytes(a) == raw_bytes(b), f"bytes differ{where}"
 
 
+#: Tensors of the file :func:`file_to_cut` writes, and how many :func:`cut_last_tensors` cuts off.
+CUT_TOTAL, CUT_OFF = 8, 3
+
+
+def file_to_cut(write_st) -> "tuple[str, Dict[str, torch.Tensor]]":
+    """Writes :data:`CUT_TOTAL` F32 tensors of 16 KiB; returns (path, safetensors 0.8's read)."""
+    path = write_st({f"t{i}": make_tensor("F32", (4096,), i) for i in range(CUT_TOTAL)})
+    return path, st_torch.load_file(path)
+
+
+def cut_last_tensors(path) -> None:
+    """Cuts the bytes of the last :data:`CUT_OFF` tensors of a :func:`file_to_cut` file off."""
+    os.truncate(path, os.path.getsize(path) - CUT_OFF * 4096 * 4)
+
+
+def assert_cut_tensors_raise(read, names, ref) -> None:
+    """``read(name)`` of a file cut by :func:`cut_last_tensors` (``names`` in file order): the
+    tensors before the cut are right, each one past it raises an error naming it."""
+    for name in names[:-CUT_OFF]:
+        assert_tensor_equal(read(name), ref[name], name)
+    for name in names[-CUT_OFF:]:
+        with pytest.raises(safeload.SafetensorError, match=name):
+            read(name)
+
+
 def write_raw(path: Union[str, os.PathLike], header: Union[bytes, str, Any], data: bytes = b"",
               *, length: Optional[int] = None) -> str:
     """Writes ``<u64 header length><header><data>``: header may be a JSON-able object, a str, or

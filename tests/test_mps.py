@@ -21,7 +21,15 @@ import safeload.torch
 from safeload import SafetensorError, _checkpoint, _device, _mps, _open, _staging
 from safeload._safeload import Handle
 
-from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tensors
+from conftest import (
+    TORCH_DTYPES,
+    assert_cut_tensors_raise,
+    assert_tensor_equal,
+    cut_last_tensors,
+    file_to_cut,
+    make_tensor,
+    mixed_tensors,
+)
 
 
 
@@ -373,17 +381,11 @@ def test_read_ahead_falls_back_when_the_alias_raises(write_st, fake_mps):
 def test_read_ahead_error_raises(write_st, fake_mps):
     """A file cut short under the read-ahead (after open, before the loop): the tensors past
     the cut raise, the others are right; never bad bytes."""
-    tensors = {f"t{i}": make_tensor("F32", (4096,), i) for i in range(8)}
-    path = write_st(tensors)
-    ref = st_torch.load_file(path)
+    path, ref = file_to_cut(write_st)
     with safeload.safe_open(path, "pt", device="mps") as f:
         names = f.offset_keys()
-        os.truncate(path, os.path.getsize(path) - 3 * 4096 * 4)
-        for name in names[:5]:
-            assert_tensor_equal(f.get_tensor(name), ref[name], name)
-        for name in names[5:]:
-            with pytest.raises(SafetensorError, match=name):
-                f.get_tensor(name)
+        cut_last_tensors(path)
+        assert_cut_tensors_raise(f.get_tensor, names, ref)
 
 
 def test_large_tensor_no_host_copy(write_st, fake_mps):

@@ -8,7 +8,6 @@ below with a CPU stand-in for CUDA."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import struct
 
@@ -20,7 +19,14 @@ import safetensors.torch as st_torch
 import safeload
 from safeload import SafetensorError, _device, _prefetch
 
-from conftest import assert_tensor_equal, make_tensor, mixed_tensors
+from conftest import (
+    assert_cut_tensors_raise,
+    assert_tensor_equal,
+    cut_last_tensors,
+    file_to_cut,
+    make_tensor,
+    mixed_tensors,
+)
 
 BACKENDS = ["auto", "pread", "mmap", "direct"]
 
@@ -211,18 +217,12 @@ def test_f6_is_refused(tmp_path):
 
 
 def test_file_cut_short_under_the_loader_raises(write_st):
-    tensors = {f"t{i}": make_tensor("F32", (4096,), i) for i in range(8)}
-    path = write_st(tensors)
-    ref = st_torch.load_file(path)
+    path, ref = file_to_cut(write_st)
     with safeload.safe_open(path, "pt", backend="pread") as f:
         names = f.offset_keys()
-        os.truncate(path, os.path.getsize(path) - 3 * 4096 * 4)
+        cut_last_tensors(path)
         with f.prefetch() as loader:
-            for name in names[:5]:
-                assert_tensor_equal(loader.take(name), ref[name], name)
-            for name in names[5:]:
-                with pytest.raises(SafetensorError, match=name):
-                    loader.take(name)
+            assert_cut_tensors_raise(loader.take, names, ref)
 
 
 def test_cuda_through_pinned_staging(write_st, monkeypatch):
