@@ -3,7 +3,7 @@
 //! `SAFELOAD_MEMORY_LIMIT` leaves of what safeload holds. Every budget reads it from here: the
 //! pool of freed memory ([`crate::pool`]), the cold-read switch to uncached reads
 //! ([`crate::storage::direct_above`]), the read-ahead ([`crate::readahead`]), and the check that
-//! a load into owned memory fits before it reads anything ([`ensure_fits`]).
+//! a load into owned memory fits before it reads anything ([`crate::pool::ensure_fits`]).
 //!
 //! The cgroup is found as the kernel describes it: the process's path in `/proc/self/cgroup`
 //! (v2 `0::/path`; v1 the line whose controllers include `memory`) under the matching mount in
@@ -63,7 +63,7 @@ fn root() -> &'static Mutex<PathBuf> {
 /// Reads the cgroup files under `root` instead of `/` from now on (tests, with a fixture tree).
 pub fn set_cgroup_root(path: &Path) {
     *root().lock().unwrap_or_else(|p| p.into_inner()) = path.to_path_buf();
-    *cache().lock().unwrap_or_else(|p| p.into_inner()) = None;
+    forget_snapshot();
 }
 
 /// What bounds a process's memory, as [`snapshot`] found it.
@@ -276,6 +276,8 @@ fn unescape(field: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn byte_sizes() {
         assert_eq!(parse_bytes("1024"), Some(1024));
@@ -287,8 +289,6 @@ mod tests {
         assert_eq!(parse_bytes("lots"), None);
         assert_eq!(parse_bytes("5 parsecs"), None);
     }
-
-    use super::*;
 
     /// A fixture root: `files` are (path under the root, contents).
     fn fixture(tag: &str, files: &[(&str, &str)]) -> PathBuf {

@@ -56,22 +56,24 @@ static POOL: Mutex<Pool> = Mutex::new(Pool {
 /// headroom, `SAFELOAD_MEMORY_LIMIT`), counting what the pool holds as its own, at most 16 GiB.
 /// Worked out again at every free and by the reaper, so the pool shrinks with the headroom.
 pub fn limit() -> usize {
-    limit_with(POOL.try_lock().map_or(0, |p| p.bytes))
+    let available = memory::available();
+    limit_with(POOL.try_lock().map_or(0, |p| p.bytes), available)
 }
 
-/// [`limit`] when the pool holds `pooled` bytes.
-fn limit_with(pooled: usize) -> usize {
+/// [`limit`] when the pool holds `pooled` bytes and the process may take `available` more
+/// (read by the caller before it takes the pool's lock: it may read a few files).
+fn limit_with(pooled: usize, available: Option<u64>) -> usize {
     static FIXED: OnceLock<Option<usize>> = OnceLock::new();
     let fixed = *FIXED.get_or_init(|| {
         std::env::var("SAFELOAD_POOL_BYTES")
             .ok()
-            .and_then(|v| crate::memory::parse_bytes(&v))
+            .and_then(|v| memory::parse_bytes(&v))
             .map(|b| b as usize)
     });
     if let Some(bytes) = fixed {
         return bytes;
     }
-    crate::memory::available().map_or(0, |m| ((m + pooled as u64) / 4).min(16 << 30) as usize)
+    available.map_or(0, |m| ((m + pooled as u64) / 4).min(16 << 30) as usize)
 }
 
 /// How long freed memory stays pooled: `SAFELOAD_POOL_IDLE_S` (seconds), else 10 s.
@@ -98,6 +100,7 @@ impl Mapping {
     pub fn take(len: usize) -> io::Result<Mapping> {
         let need = len.max(1).next_multiple_of(platform::page_size());
         let mut evicted = Vec::new();
+        let available = memory::available();
         if let Ok(mut pool) = POOL.try_lock() {
             if let Some(mapping) = pool.take_fit(need) {
                 return Ok(mapping);
@@ -105,7 +108,7 @@ impl Mapping {
             // New memory is about to be taken: the pool keeps no more than the headroom left
             // for it (the rest goes back to the OS first, outside the lock).
             if pool.bytes > 0 {
-                let limit = limit_with(pool.bytes);
+                let limit = limit_with(pool.bytes, available);
                 evicted = pool.evict_over(limit);
             }
         }
@@ -116,7 +119,7 @@ impl Mapping {
     /// A new mapping of `need` bytes (a multiple of the page size), bypassing the pool.
     fn fresh(need: usize) -> io::Result<Mapping> {
         let ptr = platform::map_anonymous(need)?;
-        crate::memory::account(need as i64);
+        memory::account(need as i64);
         Ok(Mapping {
             ptr,
             capacity: need,
@@ -138,8 +141,9 @@ impl Drop for Mapping {
             return; // unmapped already, or moved into the pool
         }
         // The bound counts this mapping as pooled (the memory the process has either way).
+        let available = memory::available();
         if let Ok(mut pool) = POOL.try_lock()
-            && let limit = limit_with(pool.bytes + self.capacity)
+            && let limit = limit_with(pool.bytes + self.capacity, available)
             && self.capacity <= limit
         {
             let mapping = Mapping {
@@ -172,7 +176,7 @@ impl Mapping {
         if self.capacity > 0 {
             // SAFETY: ptr/capacity are exactly one map_anonymous result, used by no one now.
             unsafe { platform::unmap_anonymous(self.ptr, self.capacity) };
-            crate::memory::account(-(self.capacity as i64));
+            memory::account(-(self.capacity as i64));
         }
         self.capacity = 0;
     }
@@ -234,6 +238,7 @@ fn start_reaper() -> bool {
                 let idle = idle();
                 std::thread::sleep(idle.max(Duration::from_millis(50)) / 2);
                 let mut expired = Vec::new();
+                let available = memory::available();
                 let Ok(mut pool) = POOL.lock() else { return };
                 let now = Instant::now();
                 let mut i = 0;
@@ -247,7 +252,7 @@ fn start_reaper() -> bool {
                     }
                 }
                 // The headroom may have shrunk since these were pooled.
-                let limit = limit_with(pool.bytes);
+                let limit = limit_with(pool.bytes, available);
                 expired.extend(pool.evict_over(limit));
                 let empty = pool.free.is_empty();
                 if empty {
