@@ -36,9 +36,7 @@ pub fn items(header: &Header, plan: Option<&[(String, Rows)]>) -> Result<Vec<Ten
             .iter()
             .map(|(name, rows)| {
                 let info = header
-                    .tensors
-                    .iter()
-                    .find(|t| &t.name == name)
+                    .get(name)
                     .ok_or_else(|| Error::TensorNotFound { name: name.clone() })?;
                 item(info, *rows)
             })

@@ -120,17 +120,24 @@ def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Calla
     return allocate
 
 
-def take(handle: Handle, device: Any, name: str, indices: Any = None) -> Optional[Any]:
-    """Tensor ``name`` (or ``[indices]`` when they cover it) on MPS from the handle's read-ahead,
-    which writes it and the tensors after it straight into MPS memory through host aliases; None
-    when the read-ahead does not serve it (a part of a tensor, read-ahead off, no usable alias):
-    the caller then reads it the per-tensor way."""
+def allocator(device: Any) -> Optional[Callable[[Any], Any]]:
+    """The read-ahead's destinations on ``device`` (:func:`_allocator`), or None where this torch
+    has no usable host alias."""
     import torch
 
     alias_fn = _alias_function(torch)
     if alias_fn is None or alias_usable is False:
         return None
-    return handle.take_into(name, _allocator(torch, alias_fn, device), indices)
+    return _allocator(torch, alias_fn, device)
+
+
+def take(handle: Handle, device: Any, name: str, indices: Any = None) -> Optional[Any]:
+    """Tensor ``name`` (or ``[indices]`` when they cover it) on MPS from the handle's read-ahead,
+    which writes it and the tensors after it straight into MPS memory through host aliases; None
+    when the read-ahead does not serve it (a part of a tensor, read-ahead off, no usable alias):
+    the caller then reads it the per-tensor way."""
+    allocate = allocator(device)
+    return None if allocate is None else handle.take_into(name, allocate, indices)
 
 
 def load(

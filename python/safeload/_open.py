@@ -159,7 +159,7 @@ class safe_open:
             if dtype is not None:
                 tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
             return tensors
-        code = dtype if dtype is None or dtype in ("F32", "F16", "BF16") else _into_code(dtype)
+        code = dtype if dtype is None or dtype in ("F32", "F16", "BF16") else dtype_code(dtype)
         tensors = MANY[self._framework](self._handle.read_many(dtype=code))
         _logging.log_read(self._handle.path, self, "get_tensors")
         if self._device is not None:
@@ -193,10 +193,6 @@ class safe_open:
         """A lazy view of a tensor; index it to read only the bytes needed."""
         code, shape = self._handle.info(name)
         return SafeSlice(self, self._handle.share(), name, code, shape)
-
-
-def _into_code(dtype: Any) -> str:
-    return dtype_code(dtype)  # type: ignore[return-value]
 
 
 class _safe_open_handle(safe_open):

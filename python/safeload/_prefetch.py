@@ -149,11 +149,7 @@ def start(handle: Any, convert: Callable[..., Any], handle_device: Any, plan: Op
     allocate: Optional[Allocate] = None
     staged = False
     if target is not None and target.type == "mps":
-        import torch
-
-        alias_fn = _mps._alias_function(torch)
-        if alias_fn is not None and _mps.alias_usable is not False:
-            allocate = _mps._allocator(torch, alias_fn, target)
+        allocate = _mps.allocator(target)
     elif target is not None and target.type == "cuda":
         import torch
 
