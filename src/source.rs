@@ -101,13 +101,14 @@ impl Source {
                     self.header.data_start(),
                     self.header.data_len(),
                 );
+                let available = crate::memory::available();
                 let strategy = storage::choose(
                     self.kind,
                     cached,
                     self.header.data_len(),
-                    storage::direct_above(),
+                    storage::direct_above(available),
                     storage::auto_may_map(),
-                    crate::memory::available(),
+                    available,
                 );
                 (strategy, cached)
             }

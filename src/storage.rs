@@ -59,14 +59,15 @@ impl Strategy {
 pub const COLD_BELOW: f64 = 0.5;
 
 /// Cold local files with more data than this are read with O_DIRECT by "auto":
-/// `SAFELOAD_DIRECT_ABOVE` (bytes) when set, else half of the available memory.
-pub fn direct_above() -> Option<u64> {
+/// `SAFELOAD_DIRECT_ABOVE` (bytes) when set, else half of `available` (what the process may
+/// take, [`crate::memory::available`]).
+pub fn direct_above(available: Option<u64>) -> Option<u64> {
     match std::env::var("SAFELOAD_DIRECT_ABOVE")
         .ok()
         .and_then(|v| v.parse().ok())
     {
         Some(bytes) => Some(bytes),
-        None => crate::memory::available().map(|free| free / 2),
+        None => available.map(|free| free / 2),
     }
 }
 
