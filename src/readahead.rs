@@ -63,10 +63,20 @@ pub fn budget_from_env() -> u64 {
 /// window as large as the file lets it be read in file order whatever the order of the takes.
 pub const DEFAULT_PREFETCH_BUDGET: u64 = 4 << 30;
 
+/// Default budget of a loader whose destinations are staging memory (CUDA: pinned host
+/// tensors, each copied to the device when taken), not the caller's final memory.
+pub const DEFAULT_STAGING_BUDGET: u64 = 1 << 30;
+
 /// A prefetch loader's budget when the caller gives none: `SAFELOAD_PREFETCH_BYTES`, else
-/// [`DEFAULT_PREFETCH_BUDGET`], at most a quarter of what the process may still take.
-pub fn prefetch_budget_from_env() -> u64 {
-    budget("SAFELOAD_PREFETCH_BYTES", DEFAULT_PREFETCH_BUDGET)
+/// [`DEFAULT_STAGING_BUDGET`] for a `staging` loader and [`DEFAULT_PREFETCH_BUDGET`] for the
+/// others, at most a quarter of what the process may still take.
+pub fn prefetch_budget_from_env(staging: bool) -> u64 {
+    let default = if staging {
+        DEFAULT_STAGING_BUDGET
+    } else {
+        DEFAULT_PREFETCH_BUDGET
+    };
+    budget("SAFELOAD_PREFETCH_BYTES", default)
 }
 
 fn budget(var: &str, default: u64) -> u64 {

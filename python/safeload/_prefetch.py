@@ -18,17 +18,12 @@ in file order, by its worker pool, from the moment the loader is made, with at m
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _mps
 from ._frameworks import torch_dtype, torch_shape
 from ._safeload import Prefetch
-
-#: The default budget of a CUDA loader, whose read-ahead is pinned staging memory (CPU and MPS
-#: loaders read into final memory: ``SAFELOAD_PREFETCH_BYTES``, default 4 GiB).
-STAGING_BUDGET = 1 << 30
 
 #: A prefetch plan: tensor name -> None (the whole tensor) or a step-1 slice of its first dimension.
 PrefetchPlan = Dict[str, Optional[slice]]
@@ -154,8 +149,6 @@ def start(handle: Any, convert: Callable[..., Any], handle_device: Any, plan: Op
         import torch
 
         allocate, staged = _pinned_allocator(torch), True
-        if budget_bytes is None and "SAFELOAD_PREFETCH_BYTES" not in os.environ:
-            budget_bytes = STAGING_BUDGET
     native = handle.prefetch(plan, threads=threads, budget_bytes=budget_bytes,
-                             provided=allocate is not None)
+                             provided=allocate is not None, staging=staged)
     return PrefetchLoader(native, convert, target, allocate, staged)

@@ -107,6 +107,7 @@ class Handle:
         threads: Optional[int] = None,
         budget_bytes: Optional[int] = None,
         provided: bool = False,
+        staging: bool = False,
     ) -> Prefetch: ...
     def take_into(
         self,

@@ -329,8 +329,9 @@ impl Handle {
     /// safetensors 0.9's `prefetch`: starts reading `plan` (a dict `name -> None | slice` of the
     /// first dimension; every tensor when None) in the background, in file order, with at most
     /// `budget_bytes` read and not taken (`SAFELOAD_PREFETCH_BYTES`, default 4 GiB), and returns
-    /// the loader at once. `provided`: into destinations the loader's `take` gets made (devices).
-    #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, provided=false))]
+    /// the loader at once. `provided`: into destinations the loader's `take` gets made (devices);
+    /// `staging`: those are staging memory (CUDA), whose default budget is 1 GiB.
+    #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, provided=false, staging=false))]
     fn prefetch(
         &self,
         py: Python<'_>,
@@ -338,6 +339,7 @@ impl Handle {
         threads: Option<usize>,
         budget_bytes: Option<u64>,
         provided: bool,
+        staging: bool,
     ) -> PyResult<Prefetch> {
         let source = self.source()?;
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
@@ -346,7 +348,7 @@ impl Handle {
             opts.threads = Some(t.max(1));
         }
         let strategy = self.strategy();
-        let budget = budget_bytes.unwrap_or_else(readahead::prefetch_budget_from_env);
+        let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
         py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
             .map_err(to_py)
     }
