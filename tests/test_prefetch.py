@@ -17,7 +17,7 @@ import torch
 import safetensors.torch as st_torch
 
 import safeload
-from safeload import SafetensorError, _device, _prefetch
+from safeload import SafetensorError, _device, _prefetch, _safeload
 
 from conftest import (
     assert_cut_tensors_raise,
@@ -257,6 +257,43 @@ def test_cuda_through_pinned_staging(write_st, monkeypatch):
     assert len([e for e in events if e[0] == "copy"]) == len(ref)
     for name in ref:
         assert_tensor_equal(got[name], ref[name], name)
+
+
+def _container_headroom(root, headroom: int) -> None:
+    """A cgroup v2 fixture tree under ``root`` whose container has ``headroom`` bytes left."""
+    cg = root / "sys/fs/cgroup/ctr"
+    cg.mkdir(parents=True)
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("0::/ctr\n")
+    (root / "proc/self/mountinfo").write_text("30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    (cg / "memory.max").write_text(f"{headroom}\n")
+    (cg / "memory.current").write_text("0\n")
+
+
+@pytest.mark.parametrize("headroom_gib", [2, 6])
+def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_path, headroom_gib):
+    """No budget given: 1 GiB of staging for CUDA, 4 GiB of final memory otherwise, each at most
+    a quarter of what the process may take (here a container's fixed headroom);
+    SAFELOAD_PREFETCH_BYTES replaces both."""
+    host = safeload.memory_info()["host"]
+    if host is not None and host < (headroom_gib + 2) << 30:
+        pytest.skip("the host has less memory available than the container fixture")
+    monkeypatch.setattr(_device, "torch_device", lambda name: torch.device(name))
+    monkeypatch.delenv("SAFELOAD_PREFETCH_BYTES", raising=False)
+    path = write_st(mixed_tensors(7))
+    _container_headroom(tmp_path / "root", headroom_gib << 30)
+    quarter = (headroom_gib << 30) // 4
+    _safeload._set_cgroup_root(str(tmp_path / "root"))
+    try:
+        with safeload.safe_open(path, "pt") as f:
+            with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
+                assert cuda.budget_bytes == min(1 << 30, quarter)
+                assert cpu.budget_bytes == min(4 << 30, quarter)
+            monkeypatch.setenv("SAFELOAD_PREFETCH_BYTES", "3MiB")
+            with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
+                assert cuda.budget_bytes == cpu.budget_bytes == 3 << 20
+    finally:
+        _safeload._set_cgroup_root("/")
 
 
 def test_patched_safetensors_has_prefetch(write_st):
