@@ -95,15 +95,16 @@ def ring_config(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] 
     where a quarter of what the process may still take is less (``memory_info``; 8 MiB
     buffers at least)."""
     env_n, env_b = DEFAULT_RING_BUFFERS, DEFAULT_BUFFER_BYTES
-    available = memory_info()["available"]
-    if available is not None:
-        env_b = max(min(env_b, available // 4 // env_n), 8 << 20)
     text = os.environ.get(RING_ENV)
     if text:
         try:
             env_n, env_b = parse_ring(text)
         except ValueError as e:
             raise SafetensorError(f"${RING_ENV}: {e}") from None
+    elif buffer_bytes is None:  # the default buffers: only then does the bound decide their size
+        available = memory_info()["available"]
+        if available is not None:
+            env_b = max(min(env_b, available // 4 // env_n), 8 << 20)
     n = env_n if ring_buffers is None else int(ring_buffers)
     b = env_b if buffer_bytes is None else int(buffer_bytes)
     if n < 1 or b < 1:
