@@ -77,12 +77,7 @@ def crate_graph() -> Dict[str, Set[str]]:
     for path in CRATE.rglob("*.rs"):
         rel = path.relative_to(CRATE).with_suffix("")
         parts = rel.parts
-        if parts[0] == "py" and parts[-1] != "mod":
-            node = "py::" + parts[-1]
-        elif len(parts) > 1:
-            node = parts[0]
-        else:
-            node = parts[0]
+        node = "py::" + parts[-1] if parts[0] == "py" and parts[-1] != "mod" else parts[0]
         files.setdefault(node, []).append(path)
     top = {n for n in files if "::" not in n}
     edges: Dict[str, Set[str]] = {}
