@@ -6,8 +6,8 @@
     python benches/bench.py model.safetensors ckpt-dir/ --no-cold --out bench-out
     python benches/bench.py --slow-fs               # sharded sample through a FUSE mount, +2 ms per read
 
-Test and benchmark tooling of a source checkout, not part of the wheel (the installed
-``safeload bench FILE...`` is a small timer of the backends on your own files). It needs the
+Test and benchmark tooling of a source checkout, not part of the wheel; point it at your own
+files to compare the loaders on them (``python benches/bench.py FILE... --contenders ...``). It needs the
 package importable (the editable install: ``pip install -e '.[test]'``); ``benches/test_large.py``
 imports its sample writers by path.
 
@@ -760,6 +760,9 @@ def _select(names: Sequence[str], patterns: Optional[str]) -> List[str]:
     if not patterns:
         return list(names)
     pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    unknown = [p for p in pats if not any(fnmatch.fnmatch(n, p) for n in names)]
+    if unknown:  # a typo must not silently drop a contender from the table
+        raise SystemExit(f"--contenders: {', '.join(unknown)} match no contender; known: {', '.join(names)}")
     return [n for n in names if any(fnmatch.fnmatch(n, p) for p in pats)]
 
 

@@ -1,4 +1,4 @@
-"""The ``safeload`` command: ``bench``, ``inspect``, ``verify``, ``patch-install``.
+"""The ``safeload`` command: ``inspect``, ``verify``, ``patch-install``.
 
 Also reachable as ``python -m safeload``.  Subcommands import what they need lazily, so
 ``safeload --help`` does not import torch.  Exit status: 0 success, 1 a file failed (or could
@@ -17,7 +17,6 @@ PTH_NAME = "safeload_autopatch.pth"  # = safeload.patch.PTH_NAME (not imported: 
 
 # name -> one-line help
 COMMANDS = {
-    "bench": "time every backend (and safetensors 0.8) on your own files, warm and cold",
     "inspect": "print a file's metadata and tensor table (name, dtype, shape, offsets, bytes)",
     "verify": "fully validate files: header rules, every tensor read, pread and mmap reads agree",
     "patch-install": "install the SAFELOAD_PATCH=1 startup hook (.pth) into site-packages",
@@ -33,19 +32,6 @@ through mmap. Prints one line per file:
 
 Exit status: 0 when every file is OK, 1 when any file fails, 2 on usage errors."""
 
-_BENCH_DESCRIPTION = """\
-Times safeload's backends (auto, pread, direct, mmap) on each FILE, side by side with
-safetensors 0.8's default and pread loaders when safetensors is installed. Every load runs in a
-fresh process that imports torch before the clock starts; the time covers safe_open(...,
-backend=...).get_tensors() and a first touch of every page of the result (where a lazy mmap
-load pays its reads). warm: the file is read once before the round; cold (where posix_fadvise
-exists): the child drops the file from the page cache right before the clock starts. Loaders
-are interleaved in rounds; the table shows medians: time, rate (tensor bytes / median time) and
-the child's peak RSS. The full benchmark (sample checkpoints, reference rates, slow FUSE mounts)
-is benches/bench.py in a source checkout.
-
-Exit status: 0 when every load succeeded, 1 when any failed, 2 on usage errors."""
-
 _PATCH_INSTALL_DESCRIPTION = f"""\
 Writes {PTH_NAME} into site-packages (or --target). Python runs it at every start; it costs
 one environment lookup unless SAFELOAD_PATCH is set, and with SAFELOAD_PATCH=1 it calls
@@ -60,17 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="safeload",
         description="safeload: a parallel, strict safetensors reader.",
-        epilog="`safeload COMMAND --help` describes each command. "
+        epilog="`safeload COMMAND --help` describes each command; benchmarks are benches/bench.py "
+        "FILE... in a source checkout. "
         "Exit status: 0 success, 1 a file failed, 2 usage error.",
     )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    ben = sub.add_parser("bench", help=COMMANDS["bench"], description=_BENCH_DESCRIPTION,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ben.add_argument("files", nargs="+", metavar="FILE", help="a .safetensors file")
-    ben.add_argument("--rounds", type=int, default=3, help="loads per loader and cache state (default 3)")
-    ben.add_argument("--no-cold", dest="cold", action="store_false", help="warm page cache only")
-    ben.add_argument("--json", action="store_true", help="print the rows as one JSON list instead of a table")
     ins = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"]
                          + ". Reads only the header.")
     ins.add_argument("file", help="a .safetensors file")
@@ -212,133 +193,6 @@ def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any =
     return 1 if failed else 0
 
 
-# -- bench ----------------------------------------------------------------------------------
-
-#: row name -> (library, backend; None: the library's default)
-BENCH_LOADERS = {
-    "safeload auto": ("safeload", "auto"),
-    "safeload pread": ("safeload", "pread"),
-    "safeload direct": ("safeload", "direct"),
-    "safeload mmap": ("safeload", "mmap"),
-    "safetensors default": ("safetensors", None),
-    "safetensors pread": ("safetensors", "pread"),
-}
-
-# One timed load in a fresh process: imports first, then (cold) the page-cache drop, then the clock.
-_BENCH_CHILD = r"""
-import json, os, resource, sys, time
-spec = json.loads(sys.argv[1])
-try:
-    import torch
-    lib = __import__(spec["lib"])
-    kwargs = {"backend": spec["backend"]} if spec["backend"] else {}
-    if spec["cold"]:
-        fd = os.open(spec["path"], os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    start = time.perf_counter()
-    with lib.safe_open(spec["path"], "pt", **kwargs) as f:
-        tensors = f.get_tensors()
-        backend = getattr(f, "backend", spec["backend"] or "default")
-    nbytes = 0
-    for t in tensors.values():
-        if t.numel():
-            flat = t.reshape(-1).view(torch.uint8)
-            flat[::4096].sum()  # one byte per page: faults in what a lazy load left unread
-            nbytes += flat.numel()
-    seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1024 if sys.platform == "darwin" else 1)
-    if os.path.exists("/proc/self/status"):  # VmHWM: this image's own peak, not the parent's
-        peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-    out = {"seconds": seconds, "bytes": nbytes, "peak_rss_kib": peak, "backend": backend}
-except Exception as e:
-    out = {"error": f"{type(e).__name__}: {e}"}
-print(json.dumps(out), flush=True)
-os._exit(0)
-"""
-
-
-def _bench_child(path: str, lib: str, backend: Optional[str], cold: bool) -> Dict[str, Any]:
-    import subprocess
-
-    env = dict(os.environ)
-    env.pop("SAFELOAD_BACKEND", None)  # "auto" must mean auto
-    env.pop("SAFELOAD_PATCH", None)  # safetensors rows must stay safetensors
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the same safeload in the child
-    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    spec = json.dumps({"path": os.path.abspath(path), "lib": lib, "backend": backend, "cold": cold})
-    p = subprocess.run([sys.executable, "-c", _BENCH_CHILD, spec], capture_output=True, text=True, env=env)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        return json.loads(lines[-1])
-    return {"error": f"child exited {p.returncode}: " + " | ".join(p.stderr.strip().splitlines()[-3:])}
-
-
-def bench_files(paths: Sequence[str], rounds: int = 3, cold: bool = True, as_json: bool = False,
-                out: Any = None) -> int:
-    import importlib.util
-    import statistics
-
-    out = out or sys.stdout
-    names = [n for n, (lib, _) in BENCH_LOADERS.items()
-             if lib == "safeload" or importlib.util.find_spec("safetensors") is not None]
-    states = ["warm"] + (["cold"] if cold and hasattr(os, "posix_fadvise") else [])
-    rows: List[Dict[str, Any]] = []
-    failed = False
-    for path in paths:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-        except OSError as exc:
-            print(f"safeload bench: {path}: {exc.strerror or exc}", file=sys.stderr)
-            failed = True
-            continue
-        for state in states:
-            runs: Dict[str, List[Dict[str, Any]]] = {n: [] for n in names}
-            for r in range(rounds):
-                print(f"safeload bench: {path}: {state} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-                if state == "warm":
-                    with open(path, "rb", buffering=0) as f:
-                        while f.read(8 << 20):
-                            pass
-                for name in names[r % len(names):] + names[: r % len(names)]:  # rotate per round
-                    runs[name].append(_bench_child(path, *BENCH_LOADERS[name], cold=(state == "cold")))
-            for name in names:
-                good = [x for x in runs[name] if "error" not in x]
-                row: Dict[str, Any] = {"file": path, "file_bytes": size, "cache": state, "loader": name, "runs": len(good)}
-                if good:
-                    seconds = statistics.median(x["seconds"] for x in good)
-                    row.update(backend=",".join(sorted({str(x["backend"]) for x in good})), median_s=seconds,
-                               bytes=good[0]["bytes"], gib_s=good[0]["bytes"] / seconds / 2**30 if seconds > 0 else 0.0,
-                               peak_rss_mib=statistics.median(x["peak_rss_kib"] for x in good) / 1024)
-                if len(good) < len(runs[name]):
-                    row["error"] = next(x["error"] for x in runs[name] if "error" in x)
-                    failed = True
-                rows.append(row)
-    if as_json:
-        json.dump(rows, out, indent=1)
-        out.write("\n")
-        return 1 if failed else 0
-    table = [("file", "cache", "loader", "backend", "median s", "GiB/s", "peak RSS MiB")]
-    for row in rows:
-        if "median_s" in row:
-            table.append((row["file"], row["cache"], row["loader"], row["backend"], f"{row['median_s']:.3g}",
-                          f"{row['gib_s']:.3g}", f"{row['peak_rss_mib']:.0f}"))
-        else:
-            table.append((row["file"], row["cache"], row["loader"], "FAILED", "-", "-", "-"))
-    out.write(f"{rounds} round(s); every load in a fresh process (torch imported before the clock); "
-              "time = get_tensors() + first touch of every page\n")
-    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
-    for i, cells in enumerate(table):
-        out.write("  ".join(c.rjust(w) if j >= 4 else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths))).rstrip() + "\n")
-        if i == 0:
-            out.write("  ".join("-" * w for w in widths) + "\n")
-    for row in rows:
-        if row.get("error"):
-            out.write(f"{row['file']} {row['cache']} {row['loader']}: {row['error']}\n")
-    return 1 if failed else 0
-
-
 def patch_install(target: Optional[str], remove: bool, out: Any = None) -> int:
     from .patch import install_hook, uninstall_hook
 
@@ -377,10 +231,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.threads is not None and args.threads < 1:
                 parser.error("--threads must be at least 1")
             return verify_files(args.files, threads=args.threads)
-        if args.command == "bench":
-            if args.rounds < 1:
-                parser.error("--rounds must be at least 1")
-            return bench_files(args.files, rounds=args.rounds, cold=args.cold, as_json=args.json)
         if args.command == "patch-install":
             return patch_install(args.target, args.remove)
     except BrokenPipeError:  # `safeload inspect f | head`

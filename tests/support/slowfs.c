@@ -4,7 +4,7 @@
  *   slowfs SRC MOUNTPOINT [options]        (stays in the foreground; fusermount3 -u MOUNTPOINT ends it)
  *
  * Built and mounted by tests/support/slowfs.py (`mounted()`), which is what tests and
- * `python -m safeload bench --slow-fs` use. libfuse3, high-level API, multi-threaded loop with up
+ * `python benches/bench.py --slow-fs` use. libfuse3, high-level API, multi-threaded loop with up
  * to --threads (256) workers that are never reaped, so the daemon is never the limit: every read
  * request gets its own thread, sleeps without holding a lock, then preads the backing file.
  *
