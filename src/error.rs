@@ -30,6 +30,10 @@ pub enum Error {
     TensorNotFound { name: String },
     /// A slice that cannot be taken; the message is complete (0.8's wording).
     Slice(String),
+    /// An index out of range (or more indices than dimensions) under torch's bounds
+    /// ([`crate::slice::Bounds::Clamp`]): a `SafetensorError` that is also an `IndexError`, as
+    /// torch indexing raises. The message is complete (0.8's wording).
+    SliceIndex(String),
     /// Input to a writer that the format cannot hold.
     Serialize(String),
     /// Memory handed over to read into that cannot take the tensor (size, dtype, overlap,
@@ -102,6 +106,7 @@ impl fmt::Display for Error {
             }
             Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
             Error::Slice(message)
+            | Error::SliceIndex(message)
             | Error::Serialize(message)
             | Error::Destination(message)
             | Error::Checkpoint(message)

@@ -1,8 +1,10 @@
 //! Slicing: turns Python-style indices over a tensor's shape into the byte rows to read.
 //!
-//! Semantics are those of torch/numpy indexing, with two of safetensors 0.8's rules kept because
-//! its own tests pin them: a stop past the end of a dimension and an index out of range are errors
-//! (with 0.8's messages). Negative starts and start > stop behave as in Python.
+//! Semantics are those of torch/numpy indexing. Two bounds rules, as safetensors 0.8 has them
+//! ([`Bounds`]): its numpy-strict one, pinned by its own tests, where a stop past the end of a
+//! dimension is an error (with 0.8's message), and torch's, where starts and stops are clamped to
+//! the dimension. Either way an index out of range is an error, negative starts and start > stop
+//! behave as in Python, and a step larger than the dimension selects what it would in Python.
 
 use std::fmt;
 
@@ -37,6 +39,18 @@ impl fmt::Display for Index {
             }
         }
     }
+}
+
+/// How far a slice may reach past a dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bounds {
+    /// 0.8's `backend="pread"` rule (and numpy's own tests of it): a stop past the end is an
+    /// error. Errors are [`Error::Slice`].
+    Strict,
+    /// torch indexing (0.8's default mmap backend with `framework="pt"`): starts and stops are
+    /// clamped to the dimension. An int out of range or more indices than dimensions is
+    /// [`Error::SliceIndex`] (torch raises `IndexError` for those).
+    Clamp,
 }
 
 /// A selection along one dimension: `count` elements from `start`, `step` apart.
@@ -79,15 +93,31 @@ fn describe(indices: &[Index], shape: &[usize]) -> String {
     )
 }
 
-fn out_of_bounds(indices: &[Index], shape: &[usize], dim: usize, asked: i64) -> Error {
-    Error::Slice(format!(
+impl Bounds {
+    /// An index out of range, or too many of them: `IndexError` under torch's rule.
+    fn error(self, message: String) -> Error {
+        match self {
+            Bounds::Strict => Error::Slice(message),
+            Bounds::Clamp => Error::SliceIndex(message),
+        }
+    }
+}
+
+fn out_of_bounds(
+    indices: &[Index],
+    shape: &[usize],
+    dim: usize,
+    asked: i64,
+    bounds: Bounds,
+) -> Error {
+    bounds.error(format!(
         "{}: index {asked} out of bounds for tensor dimension #{dim} of size {}",
         describe(indices, shape),
         shape[dim]
     ))
 }
 
-fn select_dim(indices: &[Index], shape: &[usize], dim: usize) -> Result<DimSel> {
+fn select_dim(indices: &[Index], shape: &[usize], dim: usize, bounds: Bounds) -> Result<DimSel> {
     let size = shape[dim];
     let n = size as i64;
     let index = indices.get(dim).cloned().unwrap_or(Index::Range {
@@ -99,12 +129,12 @@ fn select_dim(indices: &[Index], shape: &[usize], dim: usize) -> Result<DimSel> 
         Index::Select(i) => {
             let pos = if i < 0 { i + n } else { i };
             if i < 0 && pos < 0 {
-                return Err(Error::Slice(format!(
+                return Err(bounds.error(format!(
                     "Invalid index {i} for dimension {dim} of size {size}"
                 )));
             }
             if pos >= n {
-                return Err(out_of_bounds(indices, shape, dim, pos));
+                return Err(out_of_bounds(indices, shape, dim, pos, bounds));
             }
             Ok(DimSel {
                 start: pos as usize,
@@ -122,9 +152,11 @@ fn select_dim(indices: &[Index], shape: &[usize], dim: usize) -> Result<DimSel> 
             }
             if let Some(stop) = stop
                 && stop > n
+                && bounds == Bounds::Strict
             {
-                return Err(out_of_bounds(indices, shape, dim, stop - 1));
+                return Err(out_of_bounds(indices, shape, dim, stop - 1, bounds));
             }
+            let step = step.min(n.max(1)); // the same elements, and no overflow below
             let clamp = |v: i64| if v < 0 { (v + n).max(0) } else { v.min(n) };
             let begin = start.map_or(0, clamp);
             let end = stop.map_or(n, clamp);
@@ -144,15 +176,15 @@ fn select_dim(indices: &[Index], shape: &[usize], dim: usize) -> Result<DimSel> 
 }
 
 /// Plans the bytes of `tensor[indices]` for a tensor of `dtype` and `shape`.
-pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index]) -> Result<SlicePlan> {
+pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index], bounds: Bounds) -> Result<SlicePlan> {
     if indices.len() > shape.len() {
-        return Err(Error::Slice(format!(
+        return Err(bounds.error(format!(
             "{}: more slicing indexes than dimensions in tensor",
             describe(indices, shape)
         )));
     }
     let sels = (0..shape.len())
-        .map(|d| select_dim(indices, shape, d))
+        .map(|d| select_dim(indices, shape, d, bounds))
         .collect::<Result<Vec<_>>>()?;
     let out_shape: Vec<usize> = sels.iter().filter(|s| s.keep).map(|s| s.count).collect();
     let misaligned = || {
@@ -274,9 +306,13 @@ mod tests {
         Index::Range { start, stop, step }
     }
 
+    fn strict(dtype: Dtype, shape: &[usize], idx: &[Index]) -> Result<SlicePlan> {
+        plan(dtype, shape, idx, Bounds::Strict)
+    }
+
     /// Reference: index a u16 tensor holding 0..n element by element.
     fn reference(shape: &[usize], idx: &[Index]) -> Vec<u16> {
-        let plan = plan(Dtype::U16, shape, idx).unwrap();
+        let plan = strict(Dtype::U16, shape, idx).unwrap();
         let n: usize = shape.iter().product();
         let src: Vec<u8> = (0..n as u16).flat_map(|v| v.to_le_bytes()).collect();
         let mut out = vec![0u8; plan.nbytes];
@@ -319,19 +355,19 @@ mod tests {
 
     #[test]
     fn upstream_messages() {
-        let e = plan(Dtype::F32, &[10, 5], &[r(None, Some(20), 1)]).unwrap_err();
+        let e = strict(Dtype::F32, &[10, 5], &[r(None, Some(20), 1)]).unwrap_err();
         assert_eq!(
             e.to_string(),
             "Error during slicing [:20] with shape [10, 5]: index 19 out of bounds for tensor dimension #0 of size 10"
         );
-        let e = plan(
+        let e = strict(
             Dtype::F32,
             &[10, 5],
             &[r(Some(2), None, 1), Index::Select(-6)],
         )
         .unwrap_err();
         assert_eq!(e.to_string(), "Invalid index -6 for dimension 1 of size 5");
-        let e = plan(
+        let e = strict(
             Dtype::F32,
             &[10, 5],
             &[r(Some(2), None, 1), Index::Select(20)],
@@ -345,7 +381,49 @@ mod tests {
 
     #[test]
     fn packed_dtype_needs_byte_boundaries() {
-        assert!(plan(Dtype::F4, &[4, 4], &[Index::Select(1)]).is_ok());
-        assert!(plan(Dtype::F4, &[4, 4], &[r(None, None, 1), r(Some(1), None, 1)]).is_err());
+        assert!(strict(Dtype::F4, &[4, 4], &[Index::Select(1)]).is_ok());
+        assert!(strict(Dtype::F4, &[4, 4], &[r(None, None, 1), r(Some(1), None, 1)]).is_err());
+    }
+
+    #[test]
+    fn torch_bounds_clamp_and_raise_index_errors() {
+        let clamp = |idx: &[Index]| plan(Dtype::U16, &[10, 5], idx, Bounds::Clamp);
+        // A stop past the end is the whole dimension, a start past it an empty one.
+        assert_eq!(
+            clamp(&[r(None, Some(20), 1)]).unwrap(),
+            strict(Dtype::U16, &[10, 5], &[]).unwrap()
+        );
+        assert_eq!(
+            clamp(&[r(Some(-30), Some(30), 1)]).unwrap().shape,
+            vec![10, 5]
+        );
+        assert_eq!(clamp(&[r(Some(12), None, 1)]).unwrap().shape, vec![0, 5]);
+        // Ints out of range and too many indices: the variant that is also an IndexError.
+        let e = clamp(&[r(None, Some(20), 1), Index::Select(7)]).unwrap_err();
+        assert!(matches!(e, Error::SliceIndex(_)), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "Error during slicing [:20, 7] with shape [10, 5]: index 7 out of bounds for tensor dimension #1 of size 5"
+        );
+        assert!(matches!(
+            clamp(&[Index::Select(-11)]),
+            Err(Error::SliceIndex(_))
+        ));
+        let three = [Index::Select(0), Index::Select(0), Index::Select(0)];
+        assert!(matches!(clamp(&three), Err(Error::SliceIndex(_))));
+        assert!(matches!(
+            strict(Dtype::U16, &[10, 5], &three),
+            Err(Error::Slice(_))
+        ));
+        assert!(matches!(
+            strict(Dtype::U16, &[10, 5], &[Index::Select(10)]),
+            Err(Error::Slice(_))
+        ));
+        // A step bigger than the dimension (even i64::MAX) takes the first element.
+        for bounds in [Bounds::Strict, Bounds::Clamp] {
+            let p = plan(Dtype::U16, &[10, 5], &[r(None, None, i64::MAX)], bounds).unwrap();
+            assert_eq!(p.shape, vec![1, 5]);
+        }
+        assert_eq!(reference(&[6], &[r(Some(1), None, i64::MAX)]), vec![1]);
     }
 }

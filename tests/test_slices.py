@@ -374,3 +374,27 @@ def test_too_many_indices_raise(a_file, backend):
         for key in [(0, 0, 0), (slice(None),) * 3]:
             with pytest.raises((SafetensorError, IndexError)):
                 s[key]
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_index_like_and_huge_keys(a_file, backend):
+    """Keys are read as torch and numpy read them: anything with ``__index__`` (numpy ints), ints past 64 bits (clamped under pt, out of range under np), a step bigger than the
+    dimension (one element, as Python and numpy give; 0.8, and torch past 2**62, return none)."""
+    full = st_torch.load_file(a_file)["a"]
+    keys = [np.int64(3), (slice(np.int32(1), None, 2**40),), slice(-2**40, 2**40), (np.int8(-1), slice(None, None, 2**40))]
+    with safeload.safe_open(a_file, "pt", backend=backend) as f:
+        for key in keys:
+            assert_tensor_equal(f.get_slice("a")[key], full[key])
+        for key in (slice(1, None, 2**70), slice(-2**70, 2**70)):  # torch warns and truncates these
+            assert np.array_equal(f.get_slice("a")[key].numpy(), full.numpy()[key])
+        with pytest.raises(IndexError, match="out of bounds"):
+            f.get_slice("a")[2**70]
+        with pytest.raises(TypeError, match="not float"):
+            f.get_slice("a")[1.5]
+        with pytest.raises(TypeError, match="newaxis"):
+            f.get_slice("a")[None]
+    with safeload.safe_open(a_file, "np", backend=backend) as f:
+        assert np.array_equal(f.get_slice("a")[np.int64(3)], full.numpy()[3])
+        with pytest.raises(SafetensorError, match="out of bounds") as e:
+            f.get_slice("a")[:2**70]
+        assert not isinstance(e.value, IndexError)  # numpy's strict rule: 0.8's plain error

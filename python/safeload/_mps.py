@@ -131,13 +131,13 @@ def allocator(device: Any) -> Optional[Callable[[Any], Any]]:
     return _allocator(torch, alias_fn, device)
 
 
-def take(handle: Handle, device: Any, name: str, indices: Any = None) -> Optional[Any]:
-    """Tensor ``name`` (or ``[indices]`` when they cover it) on MPS from the handle's read-ahead,
+def take(handle: Handle, device: Any, name: str, key: Any = None, bounds: str = "strict") -> Optional[Any]:
+    """Tensor ``name`` (or ``[key]`` when it covers it) on MPS from the handle's read-ahead,
     which writes it and the tensors after it straight into MPS memory through host aliases; None
     when the read-ahead does not serve it (a part of a tensor, read-ahead off, no usable alias):
     the caller then reads it the per-tensor way."""
     allocate = allocator(device)
-    return None if allocate is None else handle.take_into(name, allocate, indices)
+    return None if allocate is None else handle.take_into(name, allocate, key, bounds)
 
 
 def load(

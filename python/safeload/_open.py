@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any, Dict, List, Optional
 
@@ -69,6 +68,9 @@ class safe_open:
                 f"argument 'filename': expected str or os.PathLike, got {type(filename).__name__}"
             )
         self._framework = _framework(framework)
+        # Slicing bounds: torch's (clamped stops; IndexError for ints out of range) under "pt",
+        # 0.8's strict rule under numpy and the rest (its own tests pin it).
+        self._bounds = "clamp" if self._framework == "pytorch" else "strict"
         device_name = _device.parse(device)
         self._handle = Handle(
             os.fspath(filename),
@@ -142,11 +144,12 @@ class safe_open:
         name, code, shape, data = self._handle.read(name)
         return self._tensor(name, code, shape, data)
 
-    def _take_on_device(self, handle: Handle, name: str, indices: Any = None) -> Any:
-        """A whole tensor from the reader's read-ahead straight into device memory, where the
-        device allows it (MPS through the host alias); None otherwise."""
+    def _take_on_device(self, handle: Handle, name: str, key: Any = None) -> Any:
+        """A whole tensor (or ``[key]`` that covers it) from the reader's read-ahead straight
+        into device memory, where the device allows it (MPS through the host alias); None
+        otherwise."""
         if self._device.type == "mps":
-            return _mps.take(handle, self._device, name, indices)
+            return _mps.take(handle, self._device, name, key, self._bounds)
         return None
 
     def get_tensors(self, *, dtype: Any = None) -> Dict[str, Any]:
@@ -203,82 +206,6 @@ class _safe_open_handle(safe_open):
         super().__init__(f.name, framework, device, backend=backend)
 
 
-def _expand(key: Any, ndim: int) -> List[Any]:
-    """Normalises a ``[...]`` key to one entry per leading dimension (ints and 3-tuples)."""
-    if isinstance(key, list):
-        if key:
-            raise SafetensorError("Non empty lists are not implemented")
-        key = slice(0, 0)
-    items = list(key) if isinstance(key, tuple) else [key]
-    if sum(1 for k in items if k is Ellipsis) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        fill = max(ndim - (len(items) - 1), 0)
-        items[at : at + 1] = [slice(None)] * fill
-    out: List[Any] = []
-    for k in items:
-        if isinstance(k, slice):
-            conv = [None if v is None else operator.index(v) for v in (k.start, k.stop, k.step)]
-            out.append(tuple(conv))
-        elif k is None:
-            raise TypeError("None (newaxis) is not supported in safetensors slices")
-        else:
-            try:
-                out.append(operator.index(k))
-            except TypeError:
-                raise TypeError(
-                    f"slice index must be an int, a slice or '...', not {type(k).__name__}"
-                ) from None
-    return out
-
-
-class SliceIndexError(SafetensorError, IndexError):
-    """An integer index out of range in ``get_slice(name)[...]`` with ``framework="pt"``: a
-    ``SafetensorError`` with 0.8's ``backend="pread"`` message that is also the ``IndexError``
-    torch indexing (0.8's default, mmap) raises."""
-
-
-def _describe(indices: List[Any], shape: List[int]) -> str:
-    """0.8's rendering of a slicing key, e.g. ``Error during slicing [2:, 20] with shape [10, 5]``."""
-
-    def one(k: Any) -> str:
-        if isinstance(k, tuple):
-            start, stop, step = ("" if v is None else str(v) for v in k)
-            return f"{start}:{stop}" if step in ("", "1") else f"{start}:{stop}:{step}"
-        return str(k)
-
-    return f"Error during slicing [{', '.join(one(k) for k in indices)}] with shape {list(shape)}"
-
-
-def _torch_bounds(indices: List[Any], shape: List[int]) -> List[Any]:
-    """Torch indexing bounds for ``framework="pt"``: slice starts and stops outside a dimension
-    are clamped to it (``[:n]`` with n past the end is the whole dimension, as under torch and
-    0.8's default mmap backend); an int out of range raises ``SliceIndexError``. numpy and the
-    other frameworks keep 0.8's error for a stop past the end (0.8's own tests pin it)."""
-    if len(indices) > len(shape):  # torch: IndexError "too many indices"
-        raise SliceIndexError(f"{_describe(indices, shape)}: more slicing indexes than dimensions in tensor")
-    out: List[Any] = []
-    for dim, (k, size) in enumerate(zip(indices, shape)):
-        if isinstance(k, tuple):
-            start, stop, step = k
-            if step is not None and step <= 0:
-                return out + list(indices[dim:])  # the reader raises its step error
-            if step is not None and step > size:
-                step = max(size, 1)  # same elements; keeps huge steps within i64
-            start = None if start is None else min(max(start, -size), size)
-            stop = None if stop is None else min(max(stop, -size), size)
-            out.append((start, stop, step))
-        elif k < -size:
-            raise SliceIndexError(f"Invalid index {k} for dimension {dim} of size {size}")
-        elif k >= size:
-            where = f"tensor dimension #{dim} of size {size}"
-            raise SliceIndexError(f"{_describe(indices, shape)}: index {k} out of bounds for {where}")
-        else:
-            out.append(k)
-    return out
-
-
 class SafeSlice:
     """What ``get_slice`` returns: shape and dtype without reading, and ``[...]`` indexing."""
 
@@ -296,14 +223,11 @@ class SafeSlice:
         return self._code
 
     def __getitem__(self, key: Any) -> Any:
-        indices = _expand(key, len(self._shape))
-        if self._owner._framework == "pytorch":
-            indices = _torch_bounds(indices, self._shape)
         if self._owner._device is not None:
-            tensor = self._owner._take_on_device(self._handle, self._name, indices)
+            tensor = self._owner._take_on_device(self._handle, self._name, key)
             if tensor is not None:
                 return tensor
-        code, shape, data = self._handle.read_slice(self._name, indices)
+        code, shape, data = self._handle.read_slice(self._name, key, bounds=self._owner._bounds)
         return self._owner._tensor(self._name, code, shape, data)
 
     def __repr__(self) -> str:

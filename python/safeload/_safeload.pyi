@@ -13,6 +13,7 @@ __all__ = [
     "Handle",
     "Prefetch",
     "SafetensorError",
+    "SliceIndexError",
     "TensorSpec",
     "__version__",
     "convert_bytes",
@@ -32,6 +33,7 @@ DEFAULT_CHUNK_BYTES: int
 DEFAULT_THREADS: int
 
 class SafetensorError(Exception): ...
+class SliceIndexError(SafetensorError, IndexError): ...
 
 @final
 class Bytes:
@@ -98,7 +100,7 @@ class Handle:
     def read(self, name: str) -> _TensorTuple: ...
     def read_into(self, dest: Any, offset: int) -> int: ...
     def read_many(self, names: Optional[List[str]] = None, dtype: Optional[str] = None) -> List[_TensorTuple]: ...
-    def read_slice(self, name: str, indices: Sequence[Any]) -> Tuple[str, List[int], Bytes]: ...
+    def read_slice(self, name: str, key: Any, bounds: str = "strict") -> Tuple[str, List[int], Bytes]: ...
     def meta(self, name: str) -> Tuple[str, List[int], int, int]: ...
     def prefetch(
         self,
@@ -113,7 +115,8 @@ class Handle:
         self,
         name: str,
         allocate: Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]],
-        indices: Optional[Sequence[Any]] = None,
+        key: Any = None,
+        bounds: str = "strict",
     ) -> Optional[Any]: ...
 
 @final

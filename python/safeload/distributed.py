@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from . import _device, _logging
 from ._checkpoint import resolve
 from ._frameworks import to_torch, torch_dtype, torch_shape
-from ._open import Stats, _expand, resolve_backend
+from ._open import Stats, resolve_backend
 from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, Handle, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
@@ -444,9 +444,7 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
                 here = [n for n in h.offset_keys() if n in wanted]
                 for name in here:
                     index = wanted.pop(name)
-                    code, shape = h.info(name)
-                    key = (Ellipsis,) if index is None else index
-                    rcode, rshape, data = h.read_slice(name, _expand(key, len(shape)))
+                    rcode, rshape, data = h.read_slice(name, Ellipsis if index is None else index)
                     out[name] = to_torch(rcode, rshape, data, name)
                 b, _, t, _ = h.stats()  # every read, whole tensors and slices, records its bytes
                 nbytes += b

@@ -1,11 +1,14 @@
 //! Arguments as Python passes them, parsed once for every binding class: backend names, read
-//! options, dtype codes; and the tuple a tensor crosses back as.
+//! options, dtype codes, `[...]` keys; and the tuple a tensor crosses back as.
 
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PySlice, PyTuple};
 
 use super::bytes::Bytes;
 use super::errors::SafetensorError;
 use crate::dtype::Dtype;
+use crate::slice::{Bounds, Index};
 use crate::source::ReadOptions;
 use crate::storage::Backend;
 
@@ -38,4 +41,106 @@ pub(super) fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
         Dtype::from_code(c).ok_or_else(|| SafetensorError::new_err(format!("dtype {c} is invalid")))
     })
     .transpose()
+}
+
+/// `"strict"` (numpy, 0.8's pread rule) or `"clamp"` (torch): see [`Bounds`].
+pub(super) fn parse_bounds(name: &str) -> PyResult<Bounds> {
+    match name {
+        "strict" => Ok(Bounds::Strict),
+        "clamp" => Ok(Bounds::Clamp),
+        _ => Err(PyValueError::new_err(format!(
+            "bounds {name:?} is invalid (expected \"strict\" or \"clamp\")"
+        ))),
+    }
+}
+
+/// A `[...]` key as Python hands it to `__getitem__` (an int, a slice, `...`, a tuple of those,
+/// or an empty list) over a tensor of `ndim` dimensions: one [`Index`] per leading dimension,
+/// `...` expanded. Ints are anything with `__index__`; one past `i64` is clamped to it (it is
+/// out of range, or a step that takes one element, either way).
+pub(super) fn parse_key(key: &Bound<'_, PyAny>, ndim: usize) -> PyResult<Vec<Index>> {
+    let py = key.py();
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = key.cast::<PyList>() {
+        if !list.is_empty() {
+            return Err(SafetensorError::new_err(
+                "Non empty lists are not implemented",
+            ));
+        }
+        return Ok(vec![Index::Range {
+            start: Some(0),
+            stop: Some(0),
+            step: 1,
+        }]);
+    } else if let Ok(tuple) = key.cast::<PyTuple>() {
+        tuple.iter().collect()
+    } else {
+        vec![key.clone()]
+    };
+    let ellipsis = py.Ellipsis();
+    let dots = items.iter().filter(|k| k.is(&ellipsis)).count();
+    if dots > 1 {
+        return Err(PyIndexError::new_err(
+            "an index can only have a single ellipsis ('...')",
+        ));
+    }
+    let fill = (ndim + 1).saturating_sub(items.len());
+    let mut out = Vec::with_capacity(items.len().max(ndim));
+    for item in &items {
+        if item.is(&ellipsis) {
+            out.extend((0..fill).map(|_| Index::Range {
+                start: None,
+                stop: None,
+                step: 1,
+            }));
+        } else if let Ok(s) = item.cast::<PySlice>() {
+            let bound = |attr: &str| -> PyResult<Option<i64>> {
+                let v = s.getattr(attr)?;
+                if v.is_none() {
+                    Ok(None)
+                } else {
+                    index_int(&v).map(Some)
+                }
+            };
+            out.push(Index::Range {
+                start: bound("start")?,
+                stop: bound("stop")?,
+                step: bound("step")?.unwrap_or(1),
+            });
+        } else if item.is_none() {
+            return Err(PyTypeError::new_err(
+                "None (newaxis) is not supported in safetensors slices",
+            ));
+        } else {
+            let i = index_int(item).map_err(|e| {
+                if e.is_instance_of::<PyTypeError>(py) {
+                    PyTypeError::new_err(format!(
+                        "slice index must be an int, a slice or '...', not {}",
+                        item.get_type()
+                            .name()
+                            .map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                } else {
+                    e
+                }
+            })?;
+            out.push(Index::Select(i));
+        }
+    }
+    Ok(out)
+}
+
+/// `operator.index(v)` as an `i64`, clamped to it.
+fn index_int(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let py = v.py();
+    let int = if v.is_instance_of::<PyInt>() {
+        v.clone()
+    } else {
+        py.import("operator")?.call_method1("index", (v,))?
+    };
+    match int.extract::<i64>() {
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+            Ok(if int.lt(0)? { i64::MIN } else { i64::MAX })
+        }
+        other => other,
+    }
 }

@@ -1,10 +1,12 @@
 //! The single conversion from the core's [`Error`] to Python exceptions.
 
 use pyo3::exceptions::{
-    PyException, PyFileNotFoundError, PyIsADirectoryError, PyMemoryError, PyOSError,
+    PyException, PyFileNotFoundError, PyIndexError, PyIsADirectoryError, PyMemoryError, PyOSError,
     PyPermissionError,
 };
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::error::Error;
 
@@ -15,7 +17,45 @@ pyo3::create_exception!(
     "Raised for any file safeload cannot read or write as the format requires."
 );
 
+static SLICE_INDEX_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `SliceIndexError(SafetensorError, IndexError)`: an index out of range in
+/// `get_slice(name)[...]` under torch's bounds ([`Error::SliceIndex`]), which `except
+/// SafetensorError` (0.8's `backend="pread"`) and `except IndexError` (torch indexing, 0.8's
+/// default mmap) both catch. Made at import: `create_exception!` takes one base.
+pub fn slice_index_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    SLICE_INDEX_ERROR
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<SafetensorError>(),
+                    py.get_type::<PyIndexError>(),
+                ],
+            )?;
+            let namespace = PyDict::new(py);
+            namespace.set_item("__module__", "safeload._safeload")?;
+            namespace.set_item(
+                "__doc__",
+                "An index out of range in get_slice(name)[...] with framework=\"pt\": a \
+                 SafetensorError with 0.8's backend=\"pread\" message that is also the IndexError \
+                 torch indexing (0.8's default, mmap) raises.",
+            )?;
+            let class = py
+                .get_type::<PyType>()
+                .call1(("SliceIndexError", bases, namespace))?;
+            Ok(class.cast_into::<PyType>()?.unbind())
+        })
+        .map(|class| class.bind(py))
+}
+
 pub fn to_py(err: Error) -> PyErr {
+    if let Error::SliceIndex(message) = err {
+        return Python::attach(|py| match slice_index_error(py) {
+            Ok(class) => PyErr::from_type(class.clone(), message),
+            Err(e) => e,
+        });
+    }
     let message = err.to_string();
     match err.io_kind() {
         Some(std::io::ErrorKind::NotFound) => PyFileNotFoundError::new_err(message),

@@ -3,11 +3,10 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyDict;
 
-use super::args::{TensorTuple, options, parse_backend, parse_dtype};
+use super::args::{TensorTuple, options, parse_backend, parse_bounds, parse_dtype, parse_key};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
@@ -18,7 +17,7 @@ use crate::engine::Report;
 use crate::error::Error;
 use crate::header::TensorInfo;
 use crate::readahead::{self, Mode, ReadAhead};
-use crate::slice::{self, Index};
+use crate::slice;
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::{Backend, Strategy};
 
@@ -153,28 +152,6 @@ impl Handle {
             .collect();
         Ok((tuples, ran))
     }
-}
-
-fn parse_indices(indices: &Bound<'_, PyAny>) -> PyResult<Vec<Index>> {
-    let mut out = Vec::new();
-    for item in indices.try_iter()? {
-        let item = item?;
-        if let Ok(i) = item.extract::<i64>() {
-            out.push(Index::Select(i));
-        } else if let Ok(t) = item.cast::<PyTuple>() {
-            let (start, stop, step): (Option<i64>, Option<i64>, Option<i64>) = t.extract()?;
-            out.push(Index::Range {
-                start,
-                stop,
-                step: step.unwrap_or(1),
-            });
-        } else {
-            return Err(PyTypeError::new_err(
-                "indices must be ints or (start, stop, step) tuples",
-            ));
-        }
-    }
-    Ok(out)
 }
 
 #[pymethods]
@@ -456,19 +433,19 @@ impl Handle {
     /// tensor of exactly that many bytes exporting DLPack, or None when it cannot (those tensors
     /// are not read ahead). Returns the tensor made for `name`, or None: then the caller reads it
     /// its own way (a part of a tensor, read-ahead off, no destination).
-    #[pyo3(signature = (name, allocate, indices=None))]
+    #[pyo3(signature = (name, allocate, key=None, bounds="strict"))]
     fn take_into(
         &self,
         py: Python<'_>,
         name: &str,
         allocate: Bound<'_, PyAny>,
-        indices: Option<Bound<'_, PyAny>>,
+        key: Option<Bound<'_, PyAny>>,
+        bounds: &str,
     ) -> PyResult<Option<Py<PyAny>>> {
         let source = self.source()?;
         let info = source.tensor(name).map_err(to_py)?;
-        if let Some(indices) = indices {
-            let plan =
-                slice::plan(info.dtype, &info.shape, &parse_indices(&indices)?).map_err(to_py)?;
+        if let Some(key) = key {
+            let plan = slice_plan(info, &key, bounds)?;
             if !covers(&plan, info) {
                 return Ok(None);
             }
@@ -485,18 +462,20 @@ impl Handle {
         Ok(taken.and_then(|bytes| provided::tensor(py, &bytes)))
     }
 
-    /// `tensor[indices]`: indices are ints and (start, stop, step) tuples, `...` already expanded.
-    /// Returns (dtype, shape, bytes); only the needed byte ranges are read.
+    /// `tensor[key]`, `key` as `__getitem__` got it (ints, slices, `...`, a tuple of those),
+    /// `bounds` "strict" (0.8's pread and numpy rule) or "clamp" (torch's; see
+    /// `slice::Bounds`). Returns (dtype, shape, bytes); only the needed byte ranges are read.
+    #[pyo3(signature = (name, key, bounds="strict"))]
     fn read_slice(
         &self,
         py: Python<'_>,
         name: &str,
-        indices: &Bound<'_, PyAny>,
+        key: &Bound<'_, PyAny>,
+        bounds: &str,
     ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
         let source = self.source()?;
         let info = source.tensor(name).map_err(to_py)?;
-        let indices = parse_indices(indices)?;
-        let plan = slice::plan(info.dtype, &info.shape, &indices).map_err(to_py)?;
+        let plan = slice_plan(info, key, bounds)?;
         if covers(&plan, info) {
             // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
             // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
@@ -530,6 +509,15 @@ impl Handle {
 }
 
 /// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
+fn slice_plan(
+    info: &TensorInfo,
+    key: &Bound<'_, PyAny>,
+    bounds: &str,
+) -> PyResult<slice::SlicePlan> {
+    let indices = parse_key(key, info.shape.len())?;
+    slice::plan(info.dtype, &info.shape, &indices, parse_bounds(bounds)?).map_err(to_py)
+}
+
 fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
     plan.shape == info.shape && plan.nbytes == info.nbytes()
 }

@@ -58,6 +58,7 @@ fn _set_cgroup_root(root: std::path::PathBuf) {
 #[pymodule]
 fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
+    m.add("SliceIndexError", errors::slice_index_error(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_CHUNK_BYTES", crate::plan::DEFAULT_CHUNK_BYTES)?;
     m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
