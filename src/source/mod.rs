@@ -1,0 +1,232 @@
+//! An opened checkpoint file: its validated header, and the ways to get tensor bytes out of it
+//! (parallel pread into owned buffers, a private map, or the byte rows of a slice).
+//!
+//! Here: the file, its strategy and its map; a slice's rows and spans of the data area in
+//! `ranges`, whole tensors (typed targets, new memory, map views) in `tensors`.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use crate::buffer::{self, Storage, TensorBytes};
+use crate::engine::{self, Input, Settings};
+use crate::error::{Error, Result};
+use crate::header::{self, Header, TensorInfo};
+use crate::platform::{self, Uncached, read_fully_at};
+use crate::storage::{self, Backend, FsKind, Strategy};
+
+mod ranges;
+mod tensors;
+
+// Only the binding reads spans into its own memory (see the crate's dead-code note).
+#[cfg_attr(not(feature = "python"), allow(unused_imports))]
+pub(crate) use ranges::read_data_into;
+pub(crate) use tensors::{Target, Tensors, read_or_map, read_targets};
+
+/// Tuning of a read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadOptions {
+    /// Workers; None picks from the cores and the filesystem.
+    pub threads: Option<usize>,
+    /// Bytes per read request; None picks from the filesystem.
+    pub chunk_bytes: Option<usize>,
+    /// Drop the files' pages from the page cache after reading (load-once hygiene).
+    pub drop_cache: bool,
+}
+
+pub struct Source {
+    pub path: PathBuf,
+    pub file: File,
+    pub file_len: u64,
+    pub header: Header,
+    pub kind: FsKind,
+    map: OnceLock<Arc<Storage>>,
+    direct: OnceLock<Option<Uncached>>,
+}
+
+impl Source {
+    /// Opens `path` and validates its header; nothing is allocated from header fields before that.
+    pub fn open(path: &Path) -> Result<Source> {
+        let open_err = |source| Error::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        if meta.is_dir() {
+            return Err(open_err(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "Is a directory",
+            )));
+        }
+        let file_len = meta.len();
+        let header_err = |reason| Error::header(Some(path), reason);
+        let mut prefix = [0u8; 8];
+        let got = read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
+        let json_len = header::header_len(&prefix[..got], file_len).map_err(header_err)?;
+        let mut json = vec![0u8; json_len as usize];
+        let got = read_fully_at(&file, &mut json, 8).map_err(open_err)?;
+        if got < json.len() {
+            return Err(header_err(header::HeaderError::InvalidHeaderLength));
+        }
+        let header = header::parse(&json, file_len).map_err(header_err)?;
+        Ok(Source {
+            path: path.to_path_buf(),
+            kind: FsKind::of(&file, path),
+            file,
+            file_len,
+            header,
+            map: OnceLock::new(),
+            direct: OnceLock::new(),
+        })
+    }
+
+    /// The strategy a backend request means for this file ("auto" looks at the filesystem and
+    /// at how much of the data is in the page cache).
+    pub fn resolve(&self, backend: Backend) -> Strategy {
+        self.resolve_measured(backend).0
+    }
+
+    /// [`Source::resolve`], with the page-cache residency "auto" measured for it (None when it
+    /// was not measured or cannot be told), so a caller can reuse the one probe.
+    pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
+        match backend {
+            // Never a map on a network filesystem, even when asked for one: every fault would be
+            // a small remote read, and a file that shrinks under a map kills the process. The
+            // network reader gives the same tensors.
+            Backend::Mmap if !matches!(self.kind, FsKind::Network(_)) => (Strategy::Mmap, None),
+            Backend::Pread => (Strategy::Pread, None),
+            Backend::Direct => (Strategy::Direct, None),
+            Backend::Auto | Backend::Mmap => {
+                let cached = storage::cached_fraction(
+                    &self.file,
+                    self.header.data_start(),
+                    self.header.data_len(),
+                );
+                let available = crate::memory::available();
+                let strategy = storage::choose(
+                    self.kind,
+                    cached,
+                    self.header.data_len(),
+                    storage::direct_above(available),
+                    storage::auto_may_map(),
+                    available,
+                );
+                (strategy, cached)
+            }
+        }
+    }
+
+    /// The file opened to read around the page cache, or None where that is refused.
+    fn direct_file(&self) -> Option<&Uncached> {
+        self.direct
+            .get_or_init(|| platform::open_uncached(&self.path))
+            .as_ref()
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
+        self.header.get(name).ok_or_else(|| Error::TensorNotFound {
+            name: name.to_string(),
+        })
+    }
+
+    fn input(&self, strategy: Strategy) -> Input<'_> {
+        Input {
+            path: &self.path,
+            file: &self.file,
+            direct: if strategy == Strategy::Direct {
+                self.direct_file()
+            } else {
+                None
+            },
+        }
+    }
+
+    /// Bytes of a tensor as a view of a private (copy-on-write) map of the file: lazy, zero-copy.
+    /// Falls back to a copy when the tensor is not aligned to its element size in the file.
+    pub fn map_tensor(&self, info: &TensorInfo) -> Result<TensorBytes> {
+        if info.nbytes() == 0 {
+            return Ok(TensorBytes::empty());
+        }
+        let bytes = self.map_span(info.begin, info.end)?;
+        let align = (info.dtype.bits() / 8).clamp(1, 8);
+        if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
+            return Ok(bytes);
+        }
+        let mut copy = buffer::allocate(&[info.nbytes()])
+            .map_err(|e| self.read_err(info, e))?
+            .pop()
+            .expect("one size, one buffer");
+        copy.as_mut_slice().copy_from_slice(bytes.as_slice());
+        Ok(copy.into_shared())
+    }
+
+    /// Data bytes `[begin, end)` (offsets into the data area, as tensors' `data_offsets`) as a
+    /// view of the file's private map, whatever their alignment.
+    pub fn map_span(&self, begin: usize, end: usize) -> Result<TensorBytes> {
+        let map = self.mapping()?;
+        Ok(TensorBytes::new(
+            map,
+            self.header.data_start() as usize + begin,
+            end - begin,
+        ))
+    }
+
+    fn mapping(&self) -> Result<Arc<Storage>> {
+        if let Some(map) = self.map.get() {
+            return Ok(map.clone());
+        }
+        // SAFETY: a private mapping; our writes never reach the file. Another process truncating
+        // the file under the map is the documented risk of the mmap backend (SIGBUS).
+        let map =
+            unsafe { memmap2::MmapOptions::new().map_copy(&self.file) }.map_err(|source| {
+                Error::Open {
+                    path: self.path.clone(),
+                    source,
+                }
+            })?;
+        // Faults read ahead further (what safetensors 0.8 advises on its maps too).
+        platform::advise_sequential(&self.file);
+        Ok(self.map.get_or_init(|| Arc::new(Storage::Map(map))).clone())
+    }
+
+    fn read_err(&self, info: &TensorInfo, source: std::io::Error) -> Error {
+        Error::Read {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            offset: self.header.data_start() + info.begin as u64,
+            source,
+        }
+    }
+}
+
+/// The chunk size for these sources: the caller's, else one suited to the slowest filesystem.
+pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
+    let kind = sources
+        .iter()
+        .map(|s| s.kind)
+        .find(|k| matches!(k, FsKind::Network(_)));
+    opts.chunk_bytes
+        .unwrap_or_else(|| storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)))
+}
+
+/// The workers a read of these sources runs: the caller's count, else one suited to the slowest
+/// filesystem.
+pub fn threads(sources: &[&Source], opts: &ReadOptions) -> usize {
+    settings(sources, opts).threads
+}
+
+fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
+    let network = sources
+        .iter()
+        .find(|s| matches!(s.kind, FsKind::Network(_)));
+    let cores = engine::default_threads();
+    Settings {
+        threads: opts.threads.unwrap_or_else(|| {
+            let kind = network.map_or(FsKind::Local, |s| s.kind);
+            let in_flight = network.and_then(|s| platform::fuse_requests_in_flight(&s.file));
+            storage::threads_for(kind, cores, in_flight)
+        }),
+        own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,
+    }
+}

@@ -1,0 +1,137 @@
+//! Byte ranges of the data area read into memory: the rows of a slice (short ones gathered from
+//! one read of the span around them), and a span into the caller's memory.
+
+use crate::buffer::{self, TensorBytes};
+use crate::engine::{self, Report};
+use crate::error::{Error, Result};
+use crate::header::TensorInfo;
+use crate::plan::Plan;
+use crate::platform::read_fully_at;
+use crate::slice::SlicePlan;
+use crate::storage::Strategy;
+
+use super::{ReadOptions, Source, chunk_bytes, settings};
+
+/// Slices with runs at least this long are read straight into the output; shorter runs are
+/// gathered from one read of the span around them.
+const DIRECT_RUN_BYTES: usize = 64 << 10;
+/// Small runs closer than this are read together.
+const GATHER_GAP_BYTES: usize = 16 << 10;
+
+impl Source {
+    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer; returns it and the
+    /// read's report (the bytes read from the file, gathered spans included).
+    pub fn read_slice(
+        &self,
+        info: &TensorInfo,
+        plan: &SlicePlan,
+        opts: &ReadOptions,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<(TensorBytes, Report)> {
+        let mut out = buffer::allocate(&[plan.nbytes])
+            .map_err(|e| self.read_err(info, e))?
+            .pop()
+            .expect("one size, one buffer");
+        let base = self.header.data_start() + info.begin as u64;
+        let mut direct = Plan::new(chunk_bytes(&[self], opts));
+        // Small runs: (file offset, destination), gathered by span below.
+        let mut small: Vec<(u64, &mut [u8])> = Vec::new();
+        let mut rest: &mut [u8] = out.as_mut_slice();
+        for row in &plan.rows {
+            for r in 0..row.count {
+                let at = base + (row.offset + r * row.stride_bytes) as u64;
+                let (dest, tail) = std::mem::take(&mut rest).split_at_mut(row.run_bytes);
+                rest = tail;
+                if row.run_bytes >= DIRECT_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096) {
+                    direct.add(0, at, dest, &info.name);
+                } else {
+                    small.push((at, dest));
+                }
+            }
+        }
+        let mut report = engine::execute(
+            &[self.input(Strategy::Pread)],
+            &direct,
+            settings(&[self], opts),
+            poll,
+        )?;
+        drop(direct);
+        report.bytes += self.gather_small(info, &mut small)?;
+        Ok((out.into_shared(), report))
+    }
+
+    /// Reads small runs (file offset, destination), in file order, a span of neighbours at a
+    /// time into a scratch buffer, and copies each run out; returns the bytes read.
+    fn gather_small(&self, info: &TensorInfo, runs: &mut [(u64, &mut [u8])]) -> Result<u64> {
+        let mut read = 0u64;
+        let mut scratch = Vec::new();
+        let mut i = 0;
+        while i < runs.len() {
+            let start = runs[i].0;
+            let mut end_run = i;
+            let mut span_end = start + runs[i].1.len() as u64;
+            while end_run + 1 < runs.len() {
+                let (next_at, ref next) = runs[end_run + 1];
+                let next_end = next_at + next.len() as u64;
+                if next_at < span_end
+                    || next_at - span_end > GATHER_GAP_BYTES as u64
+                    || next_end - start > (4 << 20)
+                {
+                    break;
+                }
+                end_run += 1;
+                span_end = next_end;
+            }
+            scratch.resize((span_end - start) as usize, 0);
+            let got = read_fully_at(&self.file, &mut scratch, start)
+                .map_err(|e| self.read_err(info, e))?;
+            if got < scratch.len() {
+                return Err(self.read_err(
+                    info,
+                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file ended early"),
+                ));
+            }
+            for (at, dest) in runs[i..=end_run].iter_mut() {
+                let from = (*at - start) as usize;
+                dest.copy_from_slice(&scratch[from..from + dest.len()]);
+            }
+            read += scratch.len() as u64;
+            i = end_run + 1;
+        }
+        Ok(read)
+    }
+}
+
+/// Reads tensor data starting `offset` bytes into the data area into `dest` (accelerator
+/// staging buffers, MPS memory). The range must lie within the data area.
+pub fn read_data_into(
+    source: &Source,
+    offset: u64,
+    dest: &mut [u8],
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<Report> {
+    let len = dest.len();
+    let end = offset.checked_add(len as u64);
+    if end.is_none_or(|end| end > source.header.data_len()) {
+        return Err(Error::Slice(format!(
+            "byte range {offset}+{len} is outside the data area ({} bytes) of {}",
+            source.header.data_len(),
+            source.path.display()
+        )));
+    }
+    let name = source
+        .header
+        .tensors
+        .iter()
+        .find(|t| (t.begin as u64) <= offset && offset < t.end as u64)
+        .map_or("<data>", |t| t.name.as_str());
+    let mut plan = Plan::new(chunk_bytes(&[source], opts));
+    plan.add(0, source.header.data_start() + offset, dest, name);
+    engine::execute(
+        &[source.input(Strategy::Pread)],
+        &plan,
+        settings(&[source], opts),
+        poll,
+    )
+}

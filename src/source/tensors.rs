@@ -1,0 +1,172 @@
+//! Whole tensors read: into typed targets (converting on the way), into new memory, or as
+//! views of the file's map.
+
+use crate::buffer::{self, Fresh, TensorBytes};
+use crate::dtype::Dtype;
+use crate::engine::{self, Input, Report};
+use crate::error::{Error, Result};
+use crate::header::TensorInfo;
+use crate::plan::Plan;
+use crate::storage::{self, Strategy};
+
+use super::{ReadOptions, Source, chunk_bytes, settings};
+
+/// One tensor to read and where it goes: `dest` holds exactly the tensor's elements as `dtype`
+/// (the file's dtype, or one [`crate::convert`] converts it to).
+pub struct Target<'s, 'd> {
+    /// Index into the sources.
+    pub source: usize,
+    pub info: &'s TensorInfo,
+    pub dtype: Dtype,
+    pub dest: &'d mut [u8],
+}
+
+/// Bytes a tensor takes as `dtype`: its size in the file when the dtype is its own, else what
+/// [`crate::convert`] turns it into. None when it cannot be converted to `dtype`.
+pub fn bytes_as(info: &TensorInfo, dtype: Dtype) -> Option<usize> {
+    if dtype == info.dtype {
+        return Some(info.nbytes());
+    }
+    crate::convert::converted_len(info.dtype, dtype, info.nbytes()).ok()
+}
+
+/// Reads every target with one worker pool, in (source, offset) order, with `strategy` (Pread
+/// or Direct), converting where a target's dtype differs from the file's.
+pub fn read_targets(
+    sources: &[&Source],
+    targets: Vec<Target<'_, '_>>,
+    strategy: Strategy,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<Report> {
+    let mut targets = targets;
+    for t in &targets {
+        let want = bytes_as(t.info, t.dtype);
+        if want != Some(t.dest.len()) {
+            return Err(Error::Destination(format!(
+                "cannot read tensor {} ({:?}, {} bytes) of {} into {} bytes of {:?}",
+                t.info.name,
+                t.info.dtype,
+                t.info.nbytes(),
+                sources[t.source].path.display(),
+                t.dest.len(),
+                t.dtype
+            )));
+        }
+    }
+    targets.sort_by_key(|t| (t.source, t.info.begin));
+    let mut plan = Plan::new(chunk_bytes(sources, opts));
+    for t in targets {
+        let at = sources[t.source].header.data_start() + t.info.begin as u64;
+        if t.dtype == t.info.dtype {
+            plan.add(t.source, at, t.dest, &t.info.name);
+        } else {
+            plan.add_converting(t.source, at, t.dest, t.info.dtype, t.dtype, &t.info.name);
+        }
+    }
+    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
+    let mut report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
+    // Uncached reads asked for, but a file could not be opened that way: it was read buffered.
+    report.direct_refused |=
+        strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
+    if opts.drop_cache {
+        sources.iter().for_each(|s| storage::drop_cached(&s.file));
+    }
+    Ok(report)
+}
+
+/// Reads tensors of one or more sources into new memory with one worker pool; `dtype` converts
+/// the F32/F16/BF16 ones (others keep theirs). Returns buffers in the order of `wanted`, each
+/// with the dtype it holds.
+fn read_tensors(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    strategy: Strategy,
+    dtype: Option<Dtype>,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<(Tensors, Report)> {
+    let dtypes: Vec<Dtype> = wanted
+        .iter()
+        .map(|(_, t)| match dtype {
+            Some(d) if crate::convert::supported(t.dtype, d) => d,
+            _ => t.dtype,
+        })
+        .collect();
+    let sizes: Vec<usize> = wanted
+        .iter()
+        .zip(&dtypes)
+        .map(|((_, t), d)| bytes_as(t, *d).expect("supported, checked above"))
+        .collect();
+    let needed: u64 = sizes.iter().map(|&n| n as u64).sum();
+    crate::pool::ensure_fits(needed, || {
+        let mut paths: Vec<String> = wanted
+            .iter()
+            .map(|(s, _)| sources[*s].path.display().to_string())
+            .collect();
+        paths.dedup();
+        format!("{} tensors of {}", wanted.len(), paths.join(", "))
+    })?;
+    let mut buffers = buffer::allocate(&sizes).map_err(|e| {
+        let path = wanted.first().map_or(String::new(), |(s, _)| {
+            sources[*s].path.display().to_string()
+        });
+        Error::Memory(format!(
+            "cannot allocate {needed} bytes for {} tensors of {path}: {e}",
+            wanted.len()
+        ))
+    })?;
+    let targets = wanted
+        .iter()
+        .zip(&dtypes)
+        .zip(buffers.iter_mut())
+        .map(|(((source, info), dtype), b)| Target {
+            source: *source,
+            info,
+            dtype: *dtype,
+            dest: b.as_mut_slice(),
+        })
+        .collect();
+    let report = read_targets(sources, targets, strategy, opts, poll)?;
+    let out = buffers
+        .into_iter()
+        .map(Fresh::into_shared)
+        .zip(dtypes)
+        .collect();
+    Ok((out, report))
+}
+
+/// What a read of several tensors gives: each one's bytes and the dtype they hold.
+pub type Tensors = Vec<(TensorBytes, Dtype)>;
+
+/// Tensors of one or more sources as `strategy` gives them: views of each file's map for
+/// `Mmap` (zero copy), unless `dtype` converts some of them (a map cannot change dtypes: then the
+/// parallel reader, as for `Pread`/`Direct`). Returns the bytes and dtype of each, the read's
+/// report (empty for maps) and the strategy that ran.
+pub fn read_or_map(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    strategy: Strategy,
+    dtype: Option<Dtype>,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<(Tensors, Report, Strategy)> {
+    let converts = dtype.is_some_and(|d| wanted.iter().any(|(_, t)| t.dtype != d));
+    match strategy {
+        Strategy::Mmap if !converts => {
+            let views = wanted
+                .iter()
+                .map(|(s, t)| Ok((sources[*s].map_tensor(t)?, t.dtype)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((views, Report::default(), Strategy::Mmap))
+        }
+        Strategy::Mmap => {
+            let (out, report) = read_tensors(sources, wanted, Strategy::Pread, dtype, opts, poll)?;
+            Ok((out, report, Strategy::Pread))
+        }
+        strategy => {
+            let (out, report) = read_tensors(sources, wanted, strategy, dtype, opts, poll)?;
+            Ok((out, report, strategy))
+        }
+    }
+}
