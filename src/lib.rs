@@ -23,6 +23,7 @@ mod pool;
 mod prefetch;
 mod readahead;
 mod serialize;
+mod shares;
 mod slice;
 mod source;
 mod storage;

@@ -13,9 +13,11 @@ __all__ = [
     "Handle",
     "Prefetch",
     "SafetensorError",
+    "Share",
     "SliceIndexError",
     "TensorSpec",
     "__version__",
+    "assign_owners",
     "convert_bytes",
     "deserialize",
     "residency",
@@ -160,8 +162,33 @@ class Checkpoint:
         self, names: Optional[List[str]] = None, dtype: Optional[str] = None
     ) -> Tuple[List[_TensorTuple], _Stats]: ...
     def read_into(self, names: List[str], dests: List[Any]) -> _Stats: ...
+    def shares(
+        self,
+        world: int,
+        *,
+        ranks_needing: Optional[Dict[str, List[int]]] = None,
+        selections: Optional[List[Optional[List[str]]]] = None,
+        batch_bytes: int,
+    ) -> Tuple[List[Share], List[List[int]]]: ...
+    def digest(self) -> str: ...
     def close(self) -> None: ...
 
+@final
+class Share:
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> List[int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def owner(self) -> int: ...
+    @property
+    def needing(self) -> List[int]: ...
+
+def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[int]] = None) -> List[int]: ...
 def convert_bytes(data: bytes, from_dtype: str, to_dtype: str) -> bytes: ...
 
 def staging_fills(

@@ -20,8 +20,6 @@ failing rank, rather than leaving the others waiting in a collective.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -29,6 +27,7 @@ from . import _device, _logging
 from ._checkpoint import resolve
 from ._frameworks import to_torch, torch_dtype, torch_shape
 from ._open import Stats, resolve_backend
+from . import _safeload
 from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, Handle, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
@@ -43,57 +42,15 @@ BATCH_BYTES = 64 << 20
 
 
 class _Entry:
-    __slots__ = ("file", "name", "code", "shape", "begin", "end", "dtype", "tshape", "owner", "needing")
+    """A tensor of the load as the exchange needs it: the reader's plan of it (a ``Share``:
+    name, nbytes, owner, needing) and its torch dtype and shape."""
 
-    def __init__(self, file: int, name: str, code: str, shape: List[int], begin: int, end: int) -> None:
-        self.file = file
-        self.name = name
-        self.code = code
-        self.shape = shape
-        self.begin = begin
-        self.end = end
-        self.dtype: Any = None
-        self.tshape: List[int] = []
-        self.owner = -1
-        self.needing: Tuple[int, ...] = ()
+    __slots__ = ("name", "nbytes", "owner", "needing", "dtype", "tshape")
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-# -- planning --------------------------------------------------------------------------------
-
-
-def _entries(paths: Sequence[str]) -> List[_Entry]:
-    """Every tensor of every shard, in (shard, offset) order, with its torch dtype."""
-    out: List[_Entry] = []
-    seen: Dict[str, str] = {}
-    for i, p in enumerate(paths):
-        h = Handle(p, "pread")
-        try:
-            infos = sorted(h.infos(), key=lambda t: t[3])
-        finally:
-            h.close()
-        for name, code, shape, begin, end in infos:
-            if name in seen:
-                raise SafetensorError(f"tensor {name} appears in more than one shard ({seen[name]} and {p})")
-            seen[name] = p
-            e = _Entry(i, name, code, list(shape), begin, end)
-            e.dtype = torch_dtype(code, name)
-            e.tshape = torch_shape(code, shape)
-            out.append(e)
-    return out
-
-
-def _digest(paths: Sequence[str], entries: Sequence[_Entry]) -> str:
-    """What every rank must agree on: shard names and each tensor's place, dtype and shape."""
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(os.path.basename(p).encode() + b"\0")
-    for e in entries:
-        h.update(f"{e.file}|{e.name}|{e.code}|{e.shape}|{e.begin}|{e.end}\n".encode())
-    return h.hexdigest()
+    def __init__(self, share: Any) -> None:
+        self.name, self.nbytes, self.owner, self.needing = share.name, share.nbytes, share.owner, share.needing
+        self.dtype = torch_dtype(share.dtype, share.name)
+        self.tshape = torch_shape(share.dtype, share.shape)
 
 
 def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[int]] = None) -> List[int]:
@@ -102,31 +59,7 @@ def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[in
     ``preset`` (optional) gives a fixed owner (>= 0) for some items, e.g. a tensor only one
     rank needs; the others are split so that every rank's total is as close to an equal share
     as contiguous runs allow (an item goes to the rank whose byte range holds its midpoint)."""
-    owners = list(preset) if preset is not None else [-1] * len(sizes)
-    load = [0] * world
-    for size, owner in zip(sizes, owners):
-        if owner >= 0:
-            load[owner] += size
-    free = [i for i, o in enumerate(owners) if o < 0]
-    free_total = sum(sizes[i] for i in free)
-    if not free:
-        return owners
-    target = (sum(load) + free_total) / world
-    room = [max(0.0, target - load[r]) for r in range(world)]
-    room_total = sum(room) or 1.0
-    scale = free_total / room_total if free_total else 0.0
-    bounds, acc = [], 0.0
-    for r in range(world):
-        acc += room[r] * scale
-        bounds.append(acc)
-    rank, done = 0, 0
-    for i in free:
-        mid = done + sizes[i] / 2
-        while rank < world - 1 and mid >= bounds[rank]:
-            rank += 1
-        owners[i] = rank
-        done += sizes[i]
-    return owners
+    return _safeload.assign_owners(list(sizes), world, None if preset is None else list(preset))
 
 
 # -- collectives helpers -------------------------------------------------------------------------
@@ -291,52 +224,6 @@ class _Exchange:
         return self.out
 
 
-def _rounds(entries: Sequence[_Entry], world: int, ckpt: Any) -> List[List[_Entry]]:
-    """Round k holds batch k of every rank: the checkpoint's own batching (at most BATCH_BYTES,
-    whole tensors, file order) of each rank's share."""
-    per_rank = []
-    for rank in range(world):
-        names = [e.name for e in entries if e.owner == rank and e.nbytes]
-        per_rank.append(ckpt.batches(names, max_bytes=BATCH_BYTES) if names else [])
-    rounds: List[List[_Entry]] = []
-    for k in range(max((len(b) for b in per_rank), default=0)):
-        chosen = {name for batches in per_rank if k < len(batches) for name in batches[k]}
-        rounds.append([e for e in entries if e.name in chosen])
-    return rounds
-
-
-# -- entry points --------------------------------------------------------------------------------
-
-
-def _needing(entries: Sequence[_Entry], world: int, ranks_needing: Any,
-             selections: Optional[Sequence[Optional[Iterable[str]]]]) -> None:
-    everyone = tuple(range(world))
-    known = {e.name for e in entries}
-    wanted: Dict[str, set] = {}
-    if selections is not None:
-        for r, names in enumerate(selections):
-            if names is None:
-                names = known
-            for n in names:
-                if n not in known:
-                    raise SafetensorError(f"rank {r} selected tensor {n!r}, which the checkpoint does not have")
-                wanted.setdefault(n, set()).add(r)
-    for e in entries:
-        if ranks_needing is not None and e.name in ranks_needing:
-            ranks = sorted({int(r) for r in ranks_needing[e.name]})
-            if any(r < 0 or r >= world for r in ranks):
-                raise SafetensorError(f"ranks_needing[{e.name!r}] = {ranks}: ranks must be in 0..{world - 1}")
-            e.needing = tuple(ranks)
-        elif selections is not None:
-            e.needing = tuple(sorted(wanted.get(e.name, ())))
-        else:
-            e.needing = everyone
-    if ranks_needing is not None:
-        unknown = sorted(set(ranks_needing) - known)
-        if unknown:
-            raise SafetensorError(f"ranks_needing names tensors the checkpoint does not have: {unknown[:5]}")
-
-
 def load_checkpoint(
     path_or_paths: Any,
     device: Any = "cpu",
@@ -379,9 +266,8 @@ def load_checkpoint(
     try:
         dev = _device.torch_device(target)
         paths = resolve(path_or_paths)
-        entries = _entries(paths)
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-        digest = _digest(paths, entries)
+        digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
         error = exc
     payload = (digest, None if selection is None else sorted(set(selection)))
@@ -392,12 +278,10 @@ def load_checkpoint(
     selections = None if all(s is None for _, s in gathered) else [s for _, s in gathered]
     rounds: List[List[_Entry]] = []
     try:
-        _needing(entries, world, ranks_needing, selections)
-        entries = [e for e in entries if e.needing]
-        preset = [e.needing[0] if len(e.needing) == 1 else -1 for e in entries]
-        for e, o in zip(entries, assign_owners([e.nbytes for e in entries], world, preset)):
-            e.owner = o
-        rounds = _rounds(entries, world, ckpt)
+        needing = None if ranks_needing is None else {n: [int(r) for r in rs] for n, rs in ranks_needing.items()}
+        shares, planned = ckpt.shares(world, ranks_needing=needing, selections=selections, batch_bytes=BATCH_BYTES)
+        entries = [_Entry(s) for s in shares]
+        rounds = [[entries[i] for i in r] for r in planned]
         error = None
     except Exception as exc:
         error = exc

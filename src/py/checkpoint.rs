@@ -2,6 +2,7 @@
 //! tensors (handed over as DLPack), converting dtypes on the way. Every multi-shard consumer
 //! (load_checkpoint, iter_checkpoint, load_model, distributed shares) reads through it.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
@@ -11,6 +12,7 @@ use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
+use super::shares::{self, Share};
 use crate::checkpoint::{self, Entry, ReadStats};
 use crate::dtype::Dtype;
 use crate::error::Error;
@@ -180,6 +182,26 @@ impl Checkpoint {
         let c: &checkpoint::Checkpoint = &ckpt;
         let s = detached(py, |poll| c.read_into(targets, poll))?;
         Ok(stats(s))
+    }
+
+    /// The plan of a load by `world` ranks: (shares of the tensors some rank needs, in (shard,
+    /// offset) order; rounds, each a list of indices into the shares: batch k of every rank's
+    /// reads, at most `batch_bytes` each). `ranks_needing`: {name: ranks}; `selections`: one
+    /// list of names (or None: all) per rank. See `crate::shares`.
+    #[pyo3(signature = (world, *, ranks_needing=None, selections=None, batch_bytes))]
+    fn shares(
+        &self,
+        world: usize,
+        ranks_needing: Option<HashMap<String, Vec<i64>>>,
+        selections: Option<Vec<Option<Vec<String>>>>,
+        batch_bytes: u64,
+    ) -> PyResult<(Vec<Share>, Vec<Vec<usize>>)> {
+        shares::plan(&*self.get()?, world, ranks_needing, selections, batch_bytes)
+    }
+
+    /// What every rank must agree on: shard file names and each tensor's place, dtype and shape.
+    fn digest(&self) -> PyResult<String> {
+        Ok(crate::shares::digest(&*self.get()?))
     }
 
     fn close(&self) {

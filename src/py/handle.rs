@@ -419,7 +419,7 @@ impl Handle {
         let mut slices = held.slices();
         let dest = slices.pop().expect("one destination");
         let report = detached(py, |poll| {
-            source::read_data_into(s, offset, dest, &opts, poll)
+            source::read_data_ranges(s, vec![(offset, dest)], &opts, poll)
         })?;
         self.record(&report);
         Ok(report.bytes)

@@ -11,6 +11,7 @@ mod errors;
 mod handle;
 mod prefetch;
 mod provided;
+mod shares;
 mod write;
 
 use pyo3::prelude::*;
@@ -67,6 +68,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prefetch::Prefetch>()?;
     m.add_class::<write::TensorSpec>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
+    m.add_class::<shares::Share>()?;
+    m.add_function(wrap_pyfunction!(shares::assign_owners, m)?)?;
     m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::staging_fills, m)?)?;
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;

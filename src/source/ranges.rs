@@ -102,32 +102,45 @@ impl Source {
     }
 }
 
-/// Reads tensor data starting `offset` bytes into the data area into `dest` (accelerator
-/// staging buffers, MPS memory). The range must lie within the data area.
-pub fn read_data_into(
+/// Reads data-area ranges into the caller's memory (accelerator staging buffers, MPS memory):
+/// each `(offset, dest)` takes `dest.len()` bytes from `offset` bytes into the data area. All of
+/// them are one plan, read by one worker pool in file order. Every range must lie within the
+/// data area; nothing is read when one does not.
+pub fn read_data_ranges(
     source: &Source,
-    offset: u64,
-    dest: &mut [u8],
+    ranges: Vec<(u64, &mut [u8])>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
-    let len = dest.len();
-    let end = offset.checked_add(len as u64);
-    if end.is_none_or(|end| end > source.header.data_len()) {
-        return Err(Error::Slice(format!(
-            "byte range {offset}+{len} is outside the data area ({} bytes) of {}",
-            source.header.data_len(),
-            source.path.display()
-        )));
+    let data_len = source.header.data_len();
+    for (offset, dest) in &ranges {
+        let len = dest.len();
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > data_len)
+        {
+            return Err(Error::Slice(format!(
+                "byte range {offset}+{len} is outside the data area ({data_len} bytes) of {}",
+                source.path.display()
+            )));
+        }
     }
-    let name = source
-        .header
-        .tensors
-        .iter()
-        .find(|t| (t.begin as u64) <= offset && offset < t.end as u64)
-        .map_or("<data>", |t| t.name.as_str());
+    // The tensor a range starts in names it in errors.
+    let mut spans: Vec<(u64, u64, &str)> = (source.header.tensors.iter())
+        .map(|t| (t.begin as u64, t.end as u64, t.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    let name_at = |offset: u64| {
+        let i = spans.partition_point(|&(begin, _, _)| begin <= offset);
+        (i > 0 && offset < spans[i - 1].1).then(|| spans[i - 1].2)
+    };
+    let mut ranges = ranges;
+    ranges.sort_by_key(|(offset, _)| *offset);
     let mut plan = Plan::new(chunk_bytes(&[source], opts));
-    plan.add(0, source.header.data_start() + offset, dest, name);
+    for (offset, dest) in ranges {
+        let name = name_at(offset).unwrap_or("<data>");
+        plan.add(0, source.header.data_start() + offset, dest, name);
+    }
     engine::execute(
         &[source.input(Strategy::Pread)],
         &plan,
