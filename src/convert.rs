@@ -163,8 +163,11 @@ fn convert_unchecked(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
     }
 }
 
+/// The dtypes `convert` converts between.
+pub const CONVERTIBLE: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::BF16];
+
 fn is_float(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16)
+    CONVERTIBLE.contains(&dtype)
 }
 
 /// torch's F32 → BF16 (ATen's vectorized `cvtfp32_bf16`): round to nearest even by integer

@@ -108,10 +108,83 @@ impl Dtype {
         }
     }
 
+    /// How the frameworks name this dtype: the one table the binding and the Python package
+    /// use (torch dtype attributes, numpy's or ml_dtypes' names, DLPack's element type).
+    pub fn names(self) -> Names {
+        // DLPack codes: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6.
+        let (torch, numpy, dlpack): (Option<&str>, Option<&str>, Option<u8>) = match self {
+            Dtype::BOOL => (Some("bool"), Some("bool"), Some(6)),
+            Dtype::U8 => (Some("uint8"), Some("uint8"), Some(1)),
+            Dtype::I8 => (Some("int8"), Some("int8"), Some(0)),
+            Dtype::I16 => (Some("int16"), Some("int16"), Some(0)),
+            Dtype::U16 => (Some("uint16"), Some("uint16"), Some(1)),
+            Dtype::F16 => (Some("float16"), Some("float16"), Some(2)),
+            Dtype::BF16 => (Some("bfloat16"), Some("bfloat16"), Some(4)),
+            Dtype::I32 => (Some("int32"), Some("int32"), Some(0)),
+            Dtype::U32 => (Some("uint32"), Some("uint32"), Some(1)),
+            Dtype::F32 => (Some("float32"), Some("float32"), Some(2)),
+            Dtype::C64 => (Some("complex64"), Some("complex64"), Some(5)),
+            Dtype::F64 => (Some("float64"), Some("float64"), Some(2)),
+            Dtype::I64 => (Some("int64"), Some("int64"), Some(0)),
+            Dtype::U64 => (Some("uint64"), Some("uint64"), Some(1)),
+            Dtype::F8_E5M2 => (Some("float8_e5m2"), Some("float8_e5m2"), None),
+            Dtype::F8_E4M3 => (Some("float8_e4m3fn"), Some("float8_e4m3fn"), None),
+            Dtype::F8_E8M0 => (Some("float8_e8m0fnu"), Some("float8_e8m0fnu"), None),
+            Dtype::F8_E4M3FNUZ => (Some("float8_e4m3fnuz"), Some("float8_e4m3fnuz"), None),
+            Dtype::F8_E5M2FNUZ => (Some("float8_e5m2fnuz"), Some("float8_e5m2fnuz"), None),
+            Dtype::F4 => (Some("float4_e2m1fn_x2"), None, None),
+            Dtype::F6_E2M3 | Dtype::F6_E3M2 => (None, None, None),
+        };
+        Names {
+            torch,
+            numpy,
+            // numpy itself has no bfloat16 or fp8: the ml_dtypes package provides them.
+            ml_dtypes: matches!(self, Dtype::BF16) || self.is_fp8(),
+            dlpack: dlpack.map(|code| (code, self.bits() as u8)),
+        }
+    }
+
+    fn is_fp8(self) -> bool {
+        matches!(
+            self,
+            Dtype::F8_E5M2
+                | Dtype::F8_E4M3
+                | Dtype::F8_E8M0
+                | Dtype::F8_E4M3FNUZ
+                | Dtype::F8_E5M2FNUZ
+        )
+    }
+
+    /// The dtype torch names `name` (`"float32"`, `"float8_e4m3fn"` ...).
+    pub fn from_torch_name(name: &str) -> Option<Dtype> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.names().torch == Some(name))
+    }
+
+    /// The dtype of a DLPack element type (code, bits), where the format has one.
+    pub fn from_dlpack(code: u8, bits: u8) -> Option<Dtype> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.names().dlpack == Some((code, bits)))
+    }
+
     /// Parses a header code; `None` for anything the format does not define.
     pub fn from_code(code: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.code() == code)
     }
+}
+
+/// A dtype's names in the frameworks (see [`Dtype::names`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Names {
+    /// `torch.<name>`; None where torch has no such dtype (F6).
+    pub torch: Option<&'static str>,
+    /// numpy's dtype name, or ml_dtypes' where `ml_dtypes` is set; None: no numpy dtype.
+    pub numpy: Option<&'static str>,
+    pub ml_dtypes: bool,
+    /// DLPack's (type code, bits): None for fp8 and the packed floats, which it lacks.
+    pub dlpack: Option<(u8, u8)>,
 }
 
 impl fmt::Display for Dtype {
@@ -132,6 +205,24 @@ mod tests {
             assert_eq!(json, format!("\"{}\"", d.code()));
         }
         assert_eq!(Dtype::from_code("f32"), None);
+    }
+
+    #[test]
+    fn names_round_trip_and_agree_with_sizes() {
+        for d in Dtype::ALL {
+            let names = d.names();
+            if let Some(t) = names.torch {
+                assert_eq!(Dtype::from_torch_name(t), Some(d));
+            }
+            if let Some((code, bits)) = names.dlpack {
+                assert_eq!(usize::from(bits), d.bits());
+                assert_eq!(Dtype::from_dlpack(code, bits), Some(d));
+            }
+            assert!(!names.ml_dtypes || names.numpy.is_some());
+        }
+        assert!(Dtype::BF16.names().ml_dtypes && !Dtype::F16.names().ml_dtypes);
+        assert_eq!(Dtype::F4.names().numpy, None);
+        assert_eq!(Dtype::F6_E2M3.names().torch, None);
     }
 
     #[test]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._safeload import Bytes, SafetensorError
+from ._safeload import CONVERTIBLE, DTYPES, Bytes, SafetensorError
 
 FRAMEWORKS = {
     "pt": "pytorch",
@@ -28,55 +28,6 @@ FRAMEWORKS = {
     "paddle": "paddle",
 }
 
-_TORCH_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "C64": "complex64",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F4": "float4_e2m1fn_x2",
-}
-
-_NUMPY_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "C64": "complex64",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-}
-
-# numpy has no bfloat16 / fp8: ml_dtypes provides them.
-_ML_DTYPES_NAMES = {
-    "BF16": "bfloat16",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
-
 _torch_dtypes: Dict[str, Any] = {}
 _numpy_dtypes: Dict[str, Any] = {}
 
@@ -89,7 +40,7 @@ def torch_dtype(code: str, name: str = "") -> Any:
         pass
     import torch
 
-    dtype = getattr(torch, _TORCH_NAMES.get(code, ""), None)
+    dtype = getattr(torch, DTYPES.get(code, (None,))[0] or "", None)
     if dtype is None:
         raise SafetensorError(
             f"tensor {name!r} has dtype {code}, which torch {torch.__version__} has no dtype for"
@@ -187,9 +138,10 @@ def numpy_dtype(code: str, name: str = "") -> Any:
         pass
     import numpy as np
 
-    if code in _NUMPY_NAMES:
-        dtype = np.dtype(_NUMPY_NAMES[code])
-    elif code in _ML_DTYPES_NAMES:
+    _, numpy_name, ml_dtypes_name, _ = DTYPES.get(code, (None, None, False, 0))
+    if numpy_name is not None and not ml_dtypes_name:
+        dtype = np.dtype(numpy_name)
+    elif numpy_name is not None:
         try:
             import ml_dtypes
         except ImportError:
@@ -197,7 +149,7 @@ def numpy_dtype(code: str, name: str = "") -> Any:
                 f"tensor {name!r} has dtype {code}, which numpy lacks: install the 'ml_dtypes' "
                 "package (pip install ml_dtypes) to load it with numpy"
             ) from None
-        dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES_NAMES[code]))
+        dtype = np.dtype(getattr(ml_dtypes, numpy_name))
     else:
         raise SafetensorError(
             f"tensor {name!r} has dtype {code}, which has no numpy dtype "
@@ -263,7 +215,7 @@ MANY: Dict[str, Callable[..., Dict[str, Any]]] = {
 
 
 # torch dtype name -> format code, for the dtypes the reader converts between.
-FLOAT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+FLOAT_CODES = {DTYPES[code][0]: code for code in CONVERTIBLE}
 
 
 def float_code(dtype: Any) -> Optional[str]:

@@ -7,9 +7,11 @@ from typing_extensions import Self
 
 __all__ = [
     "Bytes",
+    "CONVERTIBLE",
     "Checkpoint",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_THREADS",
+    "DTYPES",
     "Handle",
     "Prefetch",
     "SafetensorError",
@@ -31,6 +33,10 @@ __all__ = [
 ]
 
 __version__: str
+#: format code -> (torch dtype name, numpy dtype name, whether that is ml_dtypes', bits)
+DTYPES: Dict[str, Tuple[Optional[str], Optional[str], bool, int]]
+#: the format codes the reader converts between on load
+CONVERTIBLE: List[str]
 DEFAULT_CHUNK_BYTES: int
 DEFAULT_THREADS: int
 

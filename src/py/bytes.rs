@@ -44,7 +44,7 @@ struct Managed {
 /// The DLPack type of a format code whose elements DLPack describes exactly: (code, bits).
 /// Others (fp8, packed fp4) go through `U8` and a view in the framework.
 fn dl_type(code: &str) -> Option<(u8, u8)> {
-    crate::dtype::Dtype::from_code(code).and_then(super::dlpack::dl_type)
+    crate::dtype::Dtype::from_code(code).and_then(|d| d.names().dlpack)
 }
 
 /// The DLPack deleter: drops what [`capsule`] boxed. Called once, by the consumer (any thread,

@@ -48,41 +48,6 @@ pub(super) struct DLManagedTensor {
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// The format's dtypes that DLPack describes exactly, as (code, bits): kDLInt 0, kDLUInt 1,
-/// kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6. fp8 and packed fp4 have no entry.
-const TYPES: &[(Dtype, u8, u8)] = &[
-    (Dtype::BOOL, 6, 8),
-    (Dtype::U8, 1, 8),
-    (Dtype::I8, 0, 8),
-    (Dtype::I16, 0, 16),
-    (Dtype::U16, 1, 16),
-    (Dtype::F16, 2, 16),
-    (Dtype::BF16, 4, 16),
-    (Dtype::I32, 0, 32),
-    (Dtype::U32, 1, 32),
-    (Dtype::F32, 2, 32),
-    (Dtype::C64, 5, 64),
-    (Dtype::F64, 2, 64),
-    (Dtype::I64, 0, 64),
-    (Dtype::U64, 1, 64),
-];
-
-/// DLPack's (code, bits) for a dtype.
-pub(super) fn dl_type(dtype: Dtype) -> Option<(u8, u8)> {
-    TYPES
-        .iter()
-        .find(|(d, _, _)| *d == dtype)
-        .map(|&(_, code, bits)| (code, bits))
-}
-
-/// The dtype of a DLPack element type, where the format has one.
-fn dtype_of(code: u8, bits: u8) -> Option<Dtype> {
-    TYPES
-        .iter()
-        .find(|&&(_, c, b)| c == code && b == bits)
-        .map(|&(d, _, _)| d)
-}
-
 /// One destination: the capsule that keeps it alive, and what it describes.
 struct Held<'py> {
     _capsule: Bound<'py, PyAny>,
@@ -212,6 +177,6 @@ fn hold<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Held<'py>> {
         _capsule: capsule,
         ptr,
         len,
-        dtype: dtype_of(t.dtype.code, t.dtype.bits),
+        dtype: Dtype::from_dlpack(t.dtype.code, t.dtype.bits),
     })
 }

@@ -56,6 +56,17 @@ fn _set_cgroup_root(root: std::path::PathBuf) {
     crate::memory::set_cgroup_root(&root);
 }
 
+/// The one dtype table: format code -> (torch dtype name, numpy dtype name, whether that name
+/// is ml_dtypes' rather than numpy's, bits per element); None where the framework lacks it.
+fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let table = pyo3::types::PyDict::new(py);
+    for d in crate::dtype::Dtype::ALL {
+        let n = d.names();
+        table.set_item(d.code(), (n.torch, n.numpy, n.ml_dtypes, d.bits()))?;
+    }
+    Ok(table)
+}
+
 #[pymodule]
 fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
@@ -63,6 +74,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_CHUNK_BYTES", crate::plan::DEFAULT_CHUNK_BYTES)?;
     m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
+    m.add("DTYPES", dtypes(m.py())?)?;
+    m.add("CONVERTIBLE", crate::convert::CONVERTIBLE.map(|d| d.code()))?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<prefetch::Prefetch>()?;

@@ -11,41 +11,17 @@ use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::serialize::{TensorIn, to_bytes, to_file};
 
-/// Framework dtype names (`torch`'s and `numpy`'s, which agree) to format codes.
+/// Framework dtype names (`torch`'s and `numpy`'s, which agree) or format codes to dtypes.
 fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
-    Ok(match name {
-        "bool" => Dtype::BOOL,
-        "int8" => Dtype::I8,
-        "uint8" => Dtype::U8,
-        "int16" => Dtype::I16,
-        "uint16" => Dtype::U16,
-        "int32" => Dtype::I32,
-        "uint32" => Dtype::U32,
-        "int64" => Dtype::I64,
-        "uint64" => Dtype::U64,
-        "float16" => Dtype::F16,
-        "float32" => Dtype::F32,
-        "float64" => Dtype::F64,
-        "bfloat16" => Dtype::BF16,
-        "float8_e4m3fn" => Dtype::F8_E4M3,
-        "float8_e4m3fnuz" => Dtype::F8_E4M3FNUZ,
-        "float8_e5m2" => Dtype::F8_E5M2,
-        "float8_e5m2fnuz" => Dtype::F8_E5M2FNUZ,
-        "float8_e8m0fnu" => Dtype::F8_E8M0,
-        "float4_e2m1fn_x2" => Dtype::F4,
-        "complex64" => Dtype::C64,
-        other => {
-            if let Some(code) = Dtype::from_code(other) {
-                return Ok(code);
-            }
-            return Err(SafetensorError::new_err(format!(
-                "Unknown dtype {other:?}. Supported dtypes: bool, int8, uint8, int16, uint16, \
-                 int32, uint32, int64, uint64, float16, float32, float64, bfloat16, \
-                 float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float8_e8m0fnu, \
-                 float4_e2m1fn_x2, complex64"
-            )));
-        }
-    })
+    Dtype::from_torch_name(name)
+        .or_else(|| Dtype::from_code(name))
+        .ok_or_else(|| {
+            let known: Vec<&str> = Dtype::ALL.iter().filter_map(|d| d.names().torch).collect();
+            SafetensorError::new_err(format!(
+                "Unknown dtype {name:?}. Supported dtypes: {}",
+                known.join(", ")
+            ))
+        })
 }
 
 /// A tensor to write, given by address: the caller keeps the memory alive during the call.
