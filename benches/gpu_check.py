@@ -38,7 +38,7 @@ import safetensors
 import safetensors.torch as st_torch
 
 import safeload.torch as sl_torch
-from safeload import _checkpoint, _staging
+from safeload import _checkpoint, _safeload, _staging
 from safeload._safeload import DEFAULT_CHUNK_BYTES, Handle
 
 GiB = 2**30
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
                         help="no GPU needed: the staging loader through a deferring CPU sink")
     args = parser.parse_args(argv)
     try:
-        ring = _staging.parse_ring(args.ring)
+        ring = _safeload.parse_ring(args.ring)
     except ValueError as e:
         parser.error(str(e))
     if args.rounds < 1:

@@ -34,6 +34,9 @@ pub enum Error {
     /// ([`crate::slice::Bounds::Clamp`]): a `SafetensorError` that is also an `IndexError`, as
     /// torch indexing raises. The message is complete (0.8's wording).
     SliceIndex(String),
+    /// An accelerator load's staging ring that cannot be set up as asked; the message is
+    /// complete.
+    Staging(String),
     /// Input to a writer that the format cannot hold.
     Serialize(String),
     /// Memory handed over to read into that cannot take the tensor (size, dtype, overlap,
@@ -107,6 +110,7 @@ impl fmt::Display for Error {
             Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
             Error::Slice(message)
             | Error::SliceIndex(message)
+            | Error::Staging(message)
             | Error::Serialize(message)
             | Error::Destination(message)
             | Error::Checkpoint(message)

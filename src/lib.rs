@@ -26,6 +26,7 @@ mod serialize;
 mod shares;
 mod slice;
 mod source;
+mod staging;
 mod storage;
 
 #[cfg(feature = "python")]

@@ -13,11 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import safetensors
-import safetensors.torch as st_torch
 
 import safeload
 import safeload.torch
-from safeload import SafetensorError, _checkpoint, _device, _staging
+from safeload import SafetensorError, _checkpoint, _device, _safeload, _staging
 from safeload._safeload import Handle
 
 from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tensors
@@ -129,23 +128,23 @@ def test_plan_packs_small_and_splits_large():
 
 
 def test_parse_ring_and_env(monkeypatch):
-    assert _staging.parse_ring("4x64MiB") == (4, 64 << 20)
-    assert _staging.parse_ring("2 x 256M") == (2, 256 << 20)
-    assert _staging.parse_ring("8x4096") == (8, 4096)
-    assert _staging.parse_ring("1x1GiB") == (1, 1 << 30)
-    for bad in ("", "4", "0x64MiB", "4x0", "x64MiB", "4x64TB"):
+    assert _safeload.parse_ring("4x64MiB") == (4, 64 << 20)
+    assert _safeload.parse_ring("2 x 256M") == (2, 256 << 20)
+    assert _safeload.parse_ring("8x4096") == (8, 4096)
+    assert _safeload.parse_ring("1x1GiB") == (1, 1 << 30)
+    for bad in ("", "4", "0x64MiB", "4x0", "x64MiB", "4x64PB"):
         with pytest.raises(ValueError):
-            _staging.parse_ring(bad)
+            _safeload.parse_ring(bad)
     monkeypatch.delenv(_staging.RING_ENV, raising=False)
-    assert _staging.ring_config() == (4, 64 << 20)
+    assert _safeload.staging_ring() == (4, 64 << 20)
     monkeypatch.setenv(_staging.RING_ENV, "3x1KiB")
-    assert _staging.ring_config() == (3, 1024)
-    assert _staging.ring_config(2, None) == (2, 1024)
+    assert _safeload.staging_ring() == (3, 1024)
+    assert _safeload.staging_ring(2, None) == (2, 1024)
     monkeypatch.setenv(_staging.RING_ENV, "lots")
     with pytest.raises(SafetensorError, match=_staging.RING_ENV):
-        _staging.ring_config()
+        _safeload.staging_ring()
     with pytest.raises(SafetensorError):
-        _staging.ring_config(0, 10)
+        _safeload.staging_ring(0, 10)
 
 
 # -- loads through CPU sinks ----------------------------------------------------------------------

@@ -29,12 +29,16 @@ __all__ = [
     "_set_cgroup_root",
     "serialize",
     "staging_fills",
+    "staging_ring",
+    "parse_ring",
+    "STAGING_RING_ENV",
     "serialize_file",
 ]
 
 __version__: str
 #: format code -> (torch dtype name, numpy dtype name, whether that is ml_dtypes', bits)
 DTYPES: Dict[str, Tuple[Optional[str], Optional[str], bool, int]]
+STAGING_RING_ENV: str
 #: the format codes the reader converts between on load
 CONVERTIBLE: List[str]
 DEFAULT_CHUNK_BYTES: int
@@ -200,6 +204,8 @@ def convert_bytes(data: bytes, from_dtype: str, to_dtype: str) -> bytes: ...
 def staging_fills(
     spans: Sequence[Tuple[int, int]], buffer_bytes: int, source: int
 ) -> List[Tuple[int, List[Tuple[int, int, int]], int, List[Tuple[int, int, int, int]]]]: ...
+def staging_ring(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]: ...
+def parse_ring(text: str) -> Tuple[int, int]: ...
 def release_memory() -> int: ...
 def memory_info() -> Dict[str, Optional[int]]: ...
 def _set_cgroup_root(root: Union[str, os.PathLike[str]]) -> None: ...

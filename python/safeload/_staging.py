@@ -27,19 +27,17 @@ The parts are separate so the scheduling is tested byte for byte without a GPU:
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import Handle, SafetensorError, memory_info, staging_fills
+from ._safeload import STAGING_RING_ENV, Handle, SafetensorError, staging_fills, staging_ring
 from ._stats import StagingStats, Stats
 
-DEFAULT_RING_BUFFERS = 4
-DEFAULT_BUFFER_BYTES = 64 << 20
-#: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216".
-RING_ENV = "SAFELOAD_STAGING_RING"
+#: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216"; the ring's rule
+#: (arguments, this, a bound by what the process may take) is the reader's: ``staging_ring``.
+RING_ENV = STAGING_RING_ENV
 
 Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end), as Handle.infos()
 Progress = Callable[[int, int], None]
@@ -79,37 +77,6 @@ def plan_spans(infos: Sequence[Info], buffer_bytes: int, source: int = 0) -> Lis
     return [Fill(src, [tuple(r) for r in reads], length,  # type: ignore[misc]
                  [(names[t], t_off, s_off, n) for t, t_off, s_off, n in copies])
             for src, reads, length, copies in planned]
-
-
-def parse_ring(text: str) -> Tuple[int, int]:
-    """``"4x64MiB"`` -> (4, 67108864). Units: B, K/KB/KiB, M/MB/MiB, G/GB/GiB (all binary)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ValueError(f"ring {text!r}: expected COUNTxSIZE, e.g. 4x64MiB")
-    shift = {"": 0, "K": 10, "M": 20, "G": 30}[m.group(3).upper()]
-    return int(m.group(1)), int(m.group(2)) << shift
-
-
-def ring_config(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]:
-    """The ring to use: the arguments, else ``$SAFELOAD_STAGING_RING``, else 4 x 64 MiB, smaller
-    where a quarter of what the process may still take is less (``memory_info``; 8 MiB
-    buffers at least)."""
-    env_n, env_b = DEFAULT_RING_BUFFERS, DEFAULT_BUFFER_BYTES
-    text = os.environ.get(RING_ENV)
-    if text:
-        try:
-            env_n, env_b = parse_ring(text)
-        except ValueError as e:
-            raise SafetensorError(f"${RING_ENV}: {e}") from None
-    elif buffer_bytes is None:  # the default buffers: only then does the bound decide their size
-        available = memory_info()["available"]
-        if available is not None:
-            env_b = max(min(env_b, available // 4 // env_n), 8 << 20)
-    n = env_n if ring_buffers is None else int(ring_buffers)
-    b = env_b if buffer_bytes is None else int(buffer_bytes)
-    if n < 1 or b < 1:
-        raise SafetensorError(f"staging ring {n} x {b} bytes: both must be positive")
-    return n, b
 
 
 def _pow2ceil(n: int) -> int:
@@ -362,7 +329,7 @@ def load_to_device(
             mps = target  # straight into device memory when torch aliases it (safeload._mps)
         else:
             sink = make_sink(target)
-    n_buffers, buf_bytes = ring_config(ring_buffers, buffer_bytes)
+    n_buffers, buf_bytes = staging_ring(ring_buffers, buffer_bytes)
 
     handles: List[Handle] = []
     opened: List[Handle] = []

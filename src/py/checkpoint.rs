@@ -208,30 +208,3 @@ impl Checkpoint {
         *self.inner.write().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
-
-/// (source, reads, length, copies) of one staging fill, copies naming tensors by index.
-type FillTuple = (
-    usize,
-    Vec<(u64, usize, usize)>,
-    usize,
-    Vec<(usize, usize, usize, usize)>,
-);
-
-/// The staging fills for tensors' data-area spans `(begin, end)` of one source (see
-/// `plan::staging_fills`): where accelerator loads plan their reads.
-#[pyfunction]
-pub fn staging_fills(
-    spans: Vec<(usize, usize)>,
-    buffer_bytes: usize,
-    source: usize,
-) -> PyResult<Vec<FillTuple>> {
-    if buffer_bytes < 1 {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "buffer_bytes must be positive, got {buffer_bytes}"
-        )));
-    }
-    Ok(crate::plan::staging_fills(&spans, buffer_bytes, source)
-        .into_iter()
-        .map(|f| (f.source, f.reads, f.length, f.copies))
-        .collect())
-}

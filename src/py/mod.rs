@@ -12,6 +12,7 @@ mod handle;
 mod prefetch;
 mod provided;
 mod shares;
+mod staging;
 mod write;
 
 use pyo3::prelude::*;
@@ -75,6 +76,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_CHUNK_BYTES", crate::plan::DEFAULT_CHUNK_BYTES)?;
     m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
     m.add("DTYPES", dtypes(m.py())?)?;
+    m.add("STAGING_RING_ENV", crate::staging::RING_ENV)?;
     m.add("CONVERTIBLE", crate::convert::CONVERTIBLE.map(|d| d.code()))?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<handle::Handle>()?;
@@ -84,7 +86,9 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shares::Share>()?;
     m.add_function(wrap_pyfunction!(shares::assign_owners, m)?)?;
     m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(checkpoint::staging_fills, m)?)?;
+    m.add_function(wrap_pyfunction!(staging::staging_fills, m)?)?;
+    m.add_function(wrap_pyfunction!(staging::staging_ring, m)?)?;
+    m.add_function(wrap_pyfunction!(staging::parse_ring, m)?)?;
     m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
