@@ -187,10 +187,9 @@ def self_check(path: str, nbytes: int, ring: tuple, rounds: int) -> int:
     for _ in range(rounds):
         sink = _staging.CpuSink(defer=True)
         t0 = time.perf_counter()
-        got = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
+        got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
         seconds.append(time.perf_counter() - t0)
         problems += compare(got, ref, None)
-        stats = _staging.last_stats
         peak = max(peak, stats.staging_bytes, stats.peak_in_flight)
         # A ring buffer is never refilled before its previous copies completed.
         slot_of, done = {}, set()
@@ -244,7 +243,9 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     got = sl_torch.load_file(path, device=device)
     sync()
     problems = compare(got, ref, dev)
-    stats = _staging.last_stats
+    with safeload.safe_open(path, "pt", device=device) as f:
+        problems += [f"get_tensors: {p}" for p in compare(f.get_tensors(), ref, dev)]
+        stats = f.staging_stats  # what the staged load did: ring, pinned bytes
     ckpt = _checkpoint.load_checkpoint(path, "pt", device=device)
     problems += [f"load_checkpoint: {p}" for p in compare(ckpt, ref, dev)]
     with safeload.safe_open(path, "pt", device=device) as f:
@@ -261,7 +262,7 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     t_sl = timed(lambda: sl_torch.load_file(path, device=device), rounds, sync)
     t_pf = timed(lambda: prefetch_all(path, device), rounds, sync)
     t_st_loop = timed(lambda: st_loop(path, device), rounds, sync)
-    peak_pinned = max(pinned, _staging.last_stats.pinned_bytes)
+    peak_pinned = pinned  # every staged load here uses the same ring
 
     # Pinned host-to-device copies alone: the bytes of the checkpoint, buffer by buffer.
     src = torch.empty(min(b, nbytes), dtype=torch.uint8, pin_memory=True)
@@ -277,7 +278,7 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
 
     h2d()
     t_h2d = timed(h2d, rounds, sync)
-    del dst
+    dst = None  # frees the device copy
 
     # The engine's read into the pinned ring alone (no device copies).
     ring_bufs = [torch.empty(min(b, nbytes), dtype=torch.uint8, pin_memory=True) for _ in range(n)]
@@ -287,12 +288,11 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     def staged_read():
         for i, fill in enumerate(fills):
             buf = ring_bufs[i % n]
-            for offset, length, at in fill.reads:
-                handle.read_into(buf[at : at + length], offset)
+            handle.read_ranges([(buf[at : at + length], offset) for offset, length, at in fill.reads])
 
     t_read_ring = timed(staged_read, rounds, lambda: None)
     handle.close()
-    del ring_bufs, src
+    ring_bufs = src = None  # frees the pinned buffers
     t_cpu = timed(lambda: sl_torch.load_file(path, backend="pread"), rounds, lambda: None)
 
     base = nbytes / statistics.median(t_st) / GiB

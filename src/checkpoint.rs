@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use crate::dtype::Dtype;
 use crate::engine::Report;
@@ -35,6 +35,8 @@ pub struct Checkpoint {
     opts: ReadOptions,
     /// The first shard's resolution of `backend` and the residency measured for it: probed once.
     resolved: OnceLock<(Strategy, Option<f64>)>,
+    /// Every read so far, added up, and the strategy of the latest that moved bytes.
+    totals: Mutex<(Report, Option<Strategy>)>,
 }
 
 impl Checkpoint {
@@ -63,6 +65,7 @@ impl Checkpoint {
             backend,
             opts,
             resolved: OnceLock::new(),
+            totals: Mutex::new((Report::default(), None)),
         })
     }
 
@@ -129,6 +132,26 @@ impl Checkpoint {
         })
     }
 
+    /// Totals of this checkpoint's reads so far (see [`ReadStats`]); nothing read yet: zeros,
+    /// with the backend reads will use.
+    pub fn totals(&self) -> ReadStats {
+        let (report, latest) = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        self.stats(latest.unwrap_or_else(|| self.strategy()), &report)
+    }
+
+    fn record(&self, backend: Strategy, report: &Report) -> ReadStats {
+        let stats = self.stats(backend, report);
+        let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        let (sum, latest) = &mut *totals;
+        sum.bytes += report.bytes;
+        sum.seconds += report.seconds;
+        sum.threads = sum.threads.max(report.threads);
+        if report.bytes > 0 || latest.is_none() {
+            *latest = Some(stats.backend);
+        }
+        stats
+    }
+
     fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
         let refs: Vec<&Source> = self.shards.iter().collect();
         ReadStats {
@@ -157,7 +180,7 @@ impl Checkpoint {
         let refs: Vec<&Source> = self.shards.iter().collect();
         let (out, report, strategy) =
             source::read_or_map(&refs, selection, self.strategy(), dtype, &self.opts, poll)?;
-        Ok((out, self.stats(strategy, &report)))
+        Ok((out, self.record(strategy, &report)))
     }
 
     /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and
@@ -177,7 +200,7 @@ impl Checkpoint {
         };
         let refs: Vec<&Source> = self.shards.iter().collect();
         let report = source::read_targets(&refs, targets, strategy, &self.opts, poll)?;
-        Ok(self.stats(strategy, &report))
+        Ok(self.record(strategy, &report))
     }
 }
 

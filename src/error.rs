@@ -51,6 +51,11 @@ pub enum Error {
     /// A load into new memory that would not fit what the process may still take (see
     /// [`crate::memory`]); the message is complete. Raised before anything is read.
     Memory(String),
+    /// A handle, checkpoint or loader used after it was closed; names what was closed.
+    Closed(&'static str),
+    /// An argument the reader cannot take (a backend, a dtype name, a count); the message is
+    /// complete.
+    Argument(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -115,10 +120,22 @@ impl fmt::Display for Error {
             | Error::Destination(message)
             | Error::Checkpoint(message)
             | Error::Prefetch(message)
-            | Error::Memory(message) => f.write_str(message),
+            | Error::Memory(message)
+            | Error::Argument(message) => f.write_str(message),
+            Error::Closed(what) => write!(f, "{what} is closed"),
             Error::Cancelled => f.write_str("load cancelled"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Open { source, .. }
+            | Error::Read { source, .. }
+            | Error::Write { source, .. } => Some(source),
+            Error::Header { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+}

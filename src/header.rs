@@ -36,6 +36,8 @@ pub enum HeaderError {
     },
 }
 
+impl std::error::Error for HeaderError {}
+
 impl fmt::Display for HeaderError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

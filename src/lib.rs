@@ -28,6 +28,7 @@ mod slice;
 mod source;
 mod staging;
 mod storage;
+mod stream;
 
 #[cfg(feature = "python")]
 mod py;

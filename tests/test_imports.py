@@ -71,13 +71,18 @@ def _code(text: str) -> str:
 
 
 def crate_graph() -> Dict[str, Set[str]]:
-    """Modules of the crate (``platform`` and ``py`` each one node, ``py``'s files as
-    ``py::name``) and the modules each names."""
+    """Modules of the crate (``platform`` and ``py`` each one node, ``py``'s files and folders as
+    ``py::name``) and the modules each names (``crate::py::name`` too, as a folder's files do)."""
     files: Dict[str, List[pathlib.Path]] = {}
     for path in CRATE.rglob("*.rs"):
         rel = path.relative_to(CRATE).with_suffix("")
         parts = rel.parts
-        node = "py::" + parts[-1] if parts[0] == "py" and parts[-1] != "mod" else parts[0]
+        if parts[0] == "py" and len(parts) > 2:
+            node = "py::" + parts[1]
+        elif parts[0] == "py" and parts[-1] != "mod":
+            node = "py::" + parts[-1]
+        else:
+            node = parts[0]
         files.setdefault(node, []).append(path)
     top = {n for n in files if "::" not in n}
     edges: Dict[str, Set[str]] = {}
@@ -85,8 +90,9 @@ def crate_graph() -> Dict[str, Set[str]]:
         text = "".join(_code(p.read_text()) for p in paths)
         used = {m for m in re.findall(r"\bcrate::(\w+)", text) if m in top}
         if node.startswith("py::"):
-            used |= {"py::" + m for m in re.findall(r"\bsuper::(\w+)", text)
+            used |= {"py::" + m for m in re.findall(r"\b(?:super|crate::py)::(\w+)", text)
                      if "py::" + m in files}
+            used.discard("py")
         edges[node] = used - {node, "lib"}
     edges.pop("lib", None)
     return edges

@@ -5,6 +5,7 @@ load_checkpoint to it for CUDA devices."""
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -59,6 +60,10 @@ def check_order(log):
 # -- planner --------------------------------------------------------------------------------------
 
 
+# A header entry as Handle.infos() gives it (TensorInfo's fields), for plans of made-up layouts.
+Info = collections.namedtuple("Info", "name dtype shape begin end")
+
+
 def check_plan(infos, buffer_bytes, fills):
     covered = {name: [] for name, _, _, b, e in infos}
     last_end = -1
@@ -94,7 +99,7 @@ def layouts(draw):
     infos, pos = [], 0
     for i, (n, gap) in enumerate(zip(sizes, gaps)):
         pos += gap  # gaps: a subset of the file's tensors
-        infos.append((f"t{i}", "U8", [n], pos, pos + n))
+        infos.append(Info(f"t{i}", "U8", [n], pos, pos + n))
         pos += n
     draw(st.randoms()).shuffle(infos)
     return infos
@@ -112,8 +117,8 @@ def test_plan_covers_every_byte_once(infos, buffer_bytes):
 
 
 def test_plan_packs_small_and_splits_large():
-    infos = [("a", "U8", [10], 0, 10), ("b", "U8", [10], 10, 20), ("c", "U8", [250], 20, 270),
-             ("z", "U8", [0], 270, 270), ("d", "U8", [5], 300, 305)]
+    infos = [Info("a", "U8", [10], 0, 10), Info("b", "U8", [10], 10, 20), Info("c", "U8", [250], 20, 270),
+             Info("z", "U8", [0], 270, 270), Info("d", "U8", [5], 300, 305)]
     fills = _staging.plan_spans(infos, 100)
     assert [f.length for f in fills] == [100, 100, 75]
     assert fills[0].reads == [(0, 100, 0)]
@@ -122,7 +127,7 @@ def test_plan_packs_small_and_splits_large():
     assert fills[2].reads == [(200, 70, 0), (300, 5, 70)]  # gap: a second read, same buffer
     assert fills[2].copies == [("c", 180, 0, 70), ("d", 0, 70, 5)]
     assert fills[0].offset == 0 and fills[2].offset == 200
-    assert _staging.plan_spans([("z", "U8", [0], 0, 0)], 100) == []
+    assert _staging.plan_spans([Info("z", "U8", [0], 0, 0)], 100) == []
     with pytest.raises(ValueError):
         _staging.plan_spans(infos, 0)
 
@@ -156,9 +161,9 @@ def test_bytes_equal_every_layout(write_st, ring, defer):
     n, b = ring
     path = write_st(mixed_tensors(seed=n + b))
     sink = _staging.CpuSink(defer=defer)
-    got = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
+    got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
+    assert stats.read.bytes_read == stats.bytes and stats.read.backend == "pread"
     assert_same(got, ref_load(path))
-    stats = _staging.last_stats
     assert stats.bytes == sum(t.numel() * t.element_size() for t in ref_load(path).values())
     # Bounded staging: at most the ring, whatever the checkpoint size.
     assert stats.staging_bytes <= n * b and stats.peak_in_flight <= n * b
@@ -177,7 +182,7 @@ def test_deferred_sink_catches_early_refill(write_st, monkeypatch):
     path = write_st({"a": make_tensor("U8", (5000,), 1), "b": make_tensor("F32", (999,), 2)})
     sink = _staging.CpuSink(defer=True)
     monkeypatch.setattr(sink, "wait", lambda index: None)
-    got = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=512)
+    got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=512)
     with pytest.raises(AssertionError):
         check_order(sink.log)
     with pytest.raises(AssertionError):
@@ -189,9 +194,8 @@ def test_large_checkpoint_small_ring(write_st):
     tensors = {f"layer{i}.w": make_tensor("BF16", (256, 160 + i), seed=i) for i in range(12)}
     path = write_st(tensors)
     sink = _staging.CpuSink(defer=True)
-    got = _staging.load_to_device(path, None, sink=sink, ring_buffers=3, buffer_bytes=8192)
+    got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=3, buffer_bytes=8192)
     assert_same(got, ref_load(path))
-    stats = _staging.last_stats
     assert stats.bytes > 40 * 3 * 8192
     assert stats.staging_bytes == 3 * 8192 and stats.peak_in_flight <= 3 * 8192
     assert stats.fills == -(-stats.bytes // 8192)
@@ -205,14 +209,14 @@ def test_subsets(write_st, seed):
     path = write_st(tensors)
     names = rng.sample(sorted(tensors), rng.randint(1, len(tensors)))
     sink = _staging.CpuSink(defer=True)
-    got = _staging.load_to_device(path, None, names=names, sink=sink, ring_buffers=2,
+    got, stats = _staging.load_to_device(path, None, names=names, sink=sink, ring_buffers=2,
                                   buffer_bytes=rng.choice([1, 100, 4096]))
     assert_same(got, ref_load(path, names))
     check_order(sink.log)
     h = Handle(path, "pread")
-    _staging.load_to_device(h, None, names=names, sink=_staging.CpuSink(), buffer_bytes=64)
-    wanted = sum(e - b for n, _, _, b, e in h.infos() if n in names)
-    assert h.stats()[0] == wanted  # only the wanted bytes are read
+    _, stats = _staging.load_to_device(h, None, names=names, sink=_staging.CpuSink(), buffer_bytes=64)
+    wanted = sum(i.nbytes for i in h.infos() if i.name in names)
+    assert h.stats().bytes_read == stats.read.bytes_read == wanted  # only the wanted bytes are read
     h.close()
 
 
@@ -229,7 +233,7 @@ def test_every_dtype(write_st, code):
                "odd": make_tensor(code, (3, 5, 7), 3)}
     path = write_st(tensors)
     sink = _staging.CpuSink(defer=True)
-    got = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=3)
+    got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=3)
     assert_same(got, ref_load(path))
     check_order(sink.log)
 
@@ -238,12 +242,12 @@ def test_shards_share_one_ring(write_st):
     a = write_st(mixed_tensors(1), name="a.safetensors")
     b = write_st({f"other{i}": make_tensor("F16", (17, i + 1), i) for i in range(9)}, name="b.safetensors")
     sink = _staging.CpuSink(defer=True)
-    got = _staging.load_to_device([a, b], None, sink=sink, ring_buffers=2, buffer_bytes=256)
+    got, stats = _staging.load_to_device([a, b], None, sink=sink, ring_buffers=2, buffer_bytes=256)
     assert_same(got, {**ref_load(a), **ref_load(b)})
     check_order(sink.log)
-    assert _staging.last_stats.buffers == 2
+    assert stats.buffers == 2
     # Selections per shard.
-    got = _staging.load_to_device([a, b], None, names=[None, ["other3"]], sink=_staging.CpuSink())
+    got, stats = _staging.load_to_device([a, b], None, names=[None, ["other3"]], sink=_staging.CpuSink())
     assert sorted(got) == sorted(list(ref_load(a)) + ["other3"])
     with pytest.raises(ValueError):
         _staging.load_to_device([a, b], None, names=[None], sink=_staging.CpuSink())
@@ -259,9 +263,9 @@ def test_duplicate_across_shards(write_st):
 def test_progress(write_st):
     path = write_st(mixed_tensors(3))
     calls = []
-    _staging.load_to_device(path, None, sink=_staging.CpuSink(), buffer_bytes=500,
+    _, stats = _staging.load_to_device(path, None, sink=_staging.CpuSink(), buffer_bytes=500,
                             progress=lambda d, t: calls.append((d, t)))
-    total = _staging.last_stats.bytes
+    total = stats.bytes
     assert calls and calls[-1] == (total, total)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
@@ -291,9 +295,9 @@ def test_host_then_to_sink(write_st):
     path = write_st(mixed_tensors(4))
     sink = _staging.HostThenToSink(torch.device("cpu"))
     assert not sink.eager_dest and not sink.pinned
-    got = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=333)
+    got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=333)
     assert_same(got, ref_load(path))
-    assert _staging.last_stats.staging_bytes <= 2 * 333
+    assert stats.staging_bytes <= 2 * 333
 
 
 # -- devices this machine lacks ---------------------------------------------------------------------
@@ -313,7 +317,7 @@ def test_cuda_unavailable_fails_before_reading(write_st, monkeypatch):
         h = Handle(path, "pread")
         with pytest.raises(SafetensorError, match="not available"):
             _staging.load_to_device(h, device)
-        assert h.stats()[0] == 0
+        assert h.stats().bytes_read == 0
         h.close()
 
 
@@ -353,11 +357,12 @@ def test_get_tensors_on_cuda_uses_staging(write_st, fake_cuda):
     with safeload.safe_open(path, "pt", device="cuda:0", backend="mmap") as f:
         got = f.get_tensors()
         keys = f.offset_keys()
+    stats = f.staging_stats
+    assert stats.read.bytes_read == stats.bytes == f.stats.bytes_read  # the handle's own count
     assert len(fake_cuda) == 1 and fake_cuda[0].device == torch.device("cuda:0")
     assert list(got) == keys
     assert_same(got, ref_load(path))
     check_order(fake_cuda[0].log)
-    stats = _staging.last_stats
     assert stats.pinned and stats.pinned_bytes <= 2 * 4096 and stats.peak_in_flight <= 2 * 4096
     assert stats.fills > 2  # the tensors straddled the ring several times
 

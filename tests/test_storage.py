@@ -197,7 +197,8 @@ def test_fuse_io_error_names_file_tensor_and_offset(mount, sample):
     _, path, _ = sample
     with safeload.safe_open(path, "pt") as f:
         start = f._handle.data_start
-        name, _, _, begin, _ = f._handle.infos()[5]
+        info = f._handle.infos()[5]
+        name, begin = info.name, info.begin
     bad = start + begin + 1000
     with mount("--eio", f"model.safetensors:{bad}") as m:
         mounted = os.path.join(m, "model.safetensors")

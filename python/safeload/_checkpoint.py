@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
-from ._open import Stats, resolve_backend
-from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, SafetensorError
+from ._open import resolve_backend
+from ._safeload import Checkpoint, SafetensorError
 
 Progress = Callable[[int, int], None]
 
@@ -92,21 +92,19 @@ def load_checkpoint(
         out, stats = _staging.load_checkpoint_to_device(
             paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
             progress=callback)
-    elif progress is not None and dtype is None:
-        callback = _progress_callback(progress)
-        stats = Stats(backend, 0, chunk_bytes or DEFAULT_CHUNK_BYTES, 0, 0.0, "")
-        for name, tensor, _ in _stream(paths, convert, None, backend, threads, chunk_bytes,
-                                       drop_cache, callback, stats):
-            _add(out, name, tensor)
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         try:
-            items, counters = ckpt.read(dtype=dtype_code(dtype))
+            if progress is not None and dtype is None:  # in batches, to report
+                for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
+                    _add(out, name, tensor)
+            else:
+                items, _ = ckpt.read(dtype=dtype_code(dtype))
+                for name, code, shape, data in items:
+                    out[name] = convert(name, code, shape, data)
+            stats = ckpt.stats()
         finally:
             ckpt.close()
-        for name, code, shape, data in items:
-            out[name] = convert(name, code, shape, data)
-        stats = Stats.from_rust(counters)
     _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
 
@@ -164,48 +162,31 @@ def iter_checkpoint(
     into a model tensor by tensor."""
     paths = resolve(path_or_paths)
     convert, _ = _converter(framework, device)
-    stream = _stream(paths, convert, max_inflight_bytes, resolve_backend(backend), threads,
-                     chunk_bytes, drop_cache, _progress_callback(progress))
-    for name, tensor, _ in stream:
-        yield name, tensor
+    ckpt = Checkpoint(paths, resolve_backend(backend), threads=threads, chunk_bytes=chunk_bytes,
+                      drop_cache=drop_cache)
+    try:
+        yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))
+    finally:
+        ckpt.close()
 
 
 def _stream(
-    paths: List[str],
+    ckpt: Any,
     convert: Callable[[str, str, List[int], Any], Any],
     max_inflight_bytes: Optional[int],
-    backend: str,
-    threads: Optional[int],
-    chunk_bytes: Optional[int],
-    drop_cache: bool,
     progress: Optional[Progress],
-    stats: Optional[Stats] = None,
-) -> Iterator[Tuple[str, Any, int]]:
-    """Batches of the checkpoint in file order, opened once: the next batch is read (GIL
-    released) while the caller uses the current one, so each holds at most half of
-    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own). The reader's
-    stats of every batch are added to ``stats`` when given."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-    try:
-        total = sum(end - begin for _, _, _, begin, end, _ in ckpt.infos())
-        if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
-            max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
-        batches = ckpt.batches(max_bytes=max(1, max_inflight_bytes // 2))
-        done = 0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeload-stream") as pool:
-            ahead = pool.submit(ckpt.read, batches[0]) if batches else None
-            for i in range(len(batches)):
-                assert ahead is not None
-                items, counters = ahead.result()
-                if stats is not None:
-                    stats.add(Stats.from_rust(counters))
-                ahead = pool.submit(ckpt.read, batches[i + 1]) if i + 1 < len(batches) else None
-                for name, code, shape, data in items:
-                    yield name, convert(name, code, shape, data), len(data)
-                done += sum(len(item[3]) for item in items)
-                if progress is not None:
-                    progress(done, total)
-    finally:
-        ckpt.close()
+) -> Iterator[Tuple[str, Any]]:
+    """The checkpoint in file order, batch by batch: the reader reads the next batch (on a
+    thread of its own) while the caller uses the current one, so each holds at most half of
+    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own)."""
+    total = sum(i.nbytes for i in ckpt.infos())
+    if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
+        max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
+    done = 0
+    with ckpt.stream(max_bytes=max(1, max_inflight_bytes // 2)) as batches:
+        for items in batches:
+            for name, code, shape, data in items:
+                yield name, convert(name, code, shape, data)
+            done += sum(len(item[3]) for item in items)
+            if progress is not None:
+                progress(done, total)

@@ -67,7 +67,7 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
 def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
     import torch
 
-    infos = {name: (code, shape) for name, code, shape, _b, _e, _s in ckpt.infos()}
+    infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
     for name, t in tensors.items():
         if name not in infos:
             raise SafetensorError(f"File does not contain tensor {name}")
@@ -78,18 +78,16 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
     shared = _overlapping({n: t for n, t in tensors.items() if t.device.type == "cpu"})
     direct = [n for n, t in tensors.items()
               if n not in shared and _direct(t, *infos[n])]
-    stats = Stats.from_rust(ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct]))
+    ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct])
     taken = set(direct)
     rest = [n for n in tensors if n not in taken]
     if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
         for batch in ckpt.batches(rest, max_bytes=COPY_BATCH_BYTES):
-            items, more = ckpt.read(batch)
+            items, _ = ckpt.read(batch)
             with torch.no_grad():
                 for name, t in torch_many(items).items():
                     tensors[name].copy_(t)
-            stats.bytes_read += more[3]
-            stats.seconds += more[4]
-    return stats
+    return ckpt.stats()
 
 
 def _byte_view(t: Any, code: str) -> Any:
@@ -131,7 +129,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     state = model.state_dict()
     ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), **kwargs)
     try:
-        infos = {name: (code, shape) for name, code, shape, _b, _e, _s in ckpt.infos()}
+        infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
         to_removes = _remove_duplicate_names(state, preferred_names=list(infos))
         removed = {n for group in to_removes.values() for n in group}
         wanted = {n: t for n, t in state.items() if n in infos and n not in removed}

@@ -4,7 +4,8 @@ On Apple silicon an MPS tensor's ``MTLBuffer`` lives in unified memory. Where to
 ``torch.mps._host_alias_storage(untyped_storage)`` (a CPU ``UntypedStorage`` sharing the buffer's
 memory, which keeps the MPS storage alive; it raises for storage that is not a shared-storage
 ``MTLBuffer``), every destination tensor is allocated on the device up front, each is aliased, and
-the parallel reader (``Handle.read_into``) writes the file's bytes straight through the aliases,
+the parallel reader (``Handle.read_ranges``, one call per file) writes the file's bytes straight
+through the aliases,
 between two ``torch.mps.synchronize()`` calls: one host write per byte, no host copy of the
 tensors, 1x memory.
 
@@ -21,21 +22,19 @@ memory and its alias, then one ``synchronize``), and the reader's workers write 
 into them in file order while the caller works on the tensors it already has.
 
 The parts are separate so the path is tested on Linux with a CPU stand-in for the device
-(``tests/test_mps.py``): :func:`plan_writes` (pure: the read calls, coalesced where both the file
-bytes and the destinations are contiguous), :func:`load` and :func:`take`.
+(``tests/test_mps.py``): :func:`load` and :func:`take`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._frameworks import torch_dtype, torch_shape
 from ._logging import logger
-from ._safeload import Handle
+from ._safeload import Handle, TensorInfo
 from ._stats import StagingStats
 
-Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end)
 Progress = Callable[[int, int], None]
 
 #: None: not probed yet in this process; True: the alias worked; False: torch lacks it or it
@@ -43,26 +42,6 @@ Progress = Callable[[int, int], None]
 alias_usable: Optional[bool] = None
 #: "alias" or "fallback": which path the most recent MPS load took (tests and logs read it).
 last_path: Optional[str] = None
-
-
-class Write(NamedTuple):
-    """One ``read_into`` call: ``length`` bytes at data ``offset`` of file ``source`` into
-    ``dest``, a uint8 CPU tensor over an alias of device memory (handed to the reader as DLPack:
-    no addresses)."""
-
-    source: int
-    offset: int
-    length: int
-    dest: Any
-
-
-def plan_writes(spans: Sequence[Tuple[int, int, int, Any]]) -> List[Write]:
-    """The read calls for ``(source, data offset, length, dest)`` spans: in (source, offset)
-    order, zero-length spans dropped. Each tensor is its own MPS storage, so each span is one
-    call (large spans are chunked and parallelised by the engine)."""
-    return [Write(source, offset, length, dest)
-            for source, offset, length, dest in sorted(spans, key=lambda s: (s[0], s[1]))
-            if length]
 
 
 def _alias_function(torch: Any) -> Optional[Callable[[Any], Any]]:
@@ -142,7 +121,7 @@ def take(handle: Handle, device: Any, name: str, key: Any = None, bounds: str = 
 
 def load(
     handles: Sequence[Handle],
-    wanted: Sequence[Sequence[Info]],
+    wanted: Sequence[Sequence[TensorInfo]],
     device: Any,
     progress: Optional[Progress] = None,
 ) -> Optional[Tuple[Dict[str, Any], StagingStats]]:
@@ -166,15 +145,16 @@ def load(
     # Every destination and alias before any read: a failure here costs no I/O.
     out: Dict[str, Any] = {}
     aliases: List[Any] = []  # kept alive until the writes are complete
-    spans: List[Tuple[int, int, int, Any]] = []
+    spans: List[List[Tuple[Any, int]]] = [[] for _ in wanted]  # per file: (host view, data offset)
     try:
         for source, infos in enumerate(wanted):
-            for name, code, shape, begin, end in infos:
+            for t in infos:
+                name, code, shape, begin, end = t.name, t.dtype, t.shape, t.begin, t.end
                 tensor, view, alias = _destination(torch, alias_fn, device, name, code, shape, end - begin)
                 out[name] = tensor
                 if view is not None:
                     aliases.append(alias)
-                    spans.append((source, begin, end - begin, view))
+                    spans[source].append((view, begin))
     except Exception as e:  # noqa: BLE001
         if alias_usable is not False:
             logger.debug("MPS: device allocation failed (%s); loading through host memory", e)
@@ -183,13 +163,11 @@ def load(
         last_path = "fallback"
         return None
 
-    writes = plan_writes(spans)
-    total = sum(w.length for w in writes)
+    total = sum(t.nbytes for infos in wanted for t in infos)
     _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
     done = 0
-    for w in writes:
-        handles[w.source].read_into(w.dest, w.offset)
-        done += w.length
+    for source, ranges in enumerate(spans):  # one call per file, read in parallel, file order
+        done += handles[source].read_ranges(ranges) if ranges else 0
         if progress is not None:
             progress(done, total)
     _synchronize(torch)  # the host writes are visible before any GPU work reads them
@@ -199,7 +177,7 @@ def load(
     stats = StagingStats()
     stats.bytes = total
     stats.tensors = len(out)
-    stats.fills = len(writes)
+    stats.fills = sum(1 for ranges in spans if ranges)
     stats.seconds = time.perf_counter() - started
     # File order (offset order per file, files in order), as the other paths return.
-    return {t[0]: out[t[0]] for infos in wanted for t in infos}, stats
+    return {t.name: out[t.name] for infos in wanted for t in infos}, stats

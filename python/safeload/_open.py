@@ -88,8 +88,8 @@ class safe_open:
         if device_name != "cpu" and self._framework == "pytorch":
             self._device = _device.torch_device(device_name)
         self._convert = CONVERTERS[self._framework]
-        self._chunk_bytes = self._handle.chunk_bytes
-        self._storage = self._handle.storage
+        #: What this handle's latest staged load to its device did (``StagingStats``), or None.
+        self.staging_stats: Any = None
 
     # -- handle ---------------------------------------------------------------------------
 
@@ -101,8 +101,7 @@ class safe_open:
     @property
     def stats(self) -> Stats:
         """Totals of this handle's reads so far."""
-        bytes_read, seconds, threads, _ = self._handle.stats()
-        return Stats(self._handle.backend, threads, self._chunk_bytes, bytes_read, seconds, self._storage)
+        return self._handle.stats()
 
     def __enter__(self) -> "safe_open":
         return self
@@ -140,7 +139,8 @@ class safe_open:
             if tensor is not None:
                 return tensor
             # One tensor through the staging ring (CUDA) or its own alias (MPS).
-            return _staging.load_to_device(self._handle, self._device, names=[name])[name]
+            tensors, self.staging_stats = _staging.load_to_device(self._handle, self._device, names=[name])
+            return tensors[name]
         name, code, shape, data = self._handle.read(name)
         return self._tensor(name, code, shape, data)
 
@@ -157,7 +157,7 @@ class safe_open:
         (torch.float32/float16/bfloat16 or "F32"/"F16"/"BF16") converts the floating-point
         tensors on the way, bit-exact with torch's conversion."""
         if self._device is not None:  # accelerator: through the staging ring
-            tensors = _staging.load_to_device(self._handle, self._device)
+            tensors, self.staging_stats = _staging.load_to_device(self._handle, self._device)
             _logging.log_read(self._handle.path, self, "get_tensors")
             if dtype is not None:
                 tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}

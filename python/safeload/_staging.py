@@ -26,57 +26,33 @@ The parts are separate so the scheduling is tested byte for byte without a GPU:
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import STAGING_RING_ENV, Handle, SafetensorError, staging_fills, staging_ring
-from ._stats import StagingStats, Stats
+from ._safeload import (STAGING_RING_ENV, Fill, Handle, TensorInfo, staging_fills, staging_plan,
+                        staging_ring)
+from ._stats import StagingStats
 
 #: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216"; the ring's rule
 #: (arguments, this, a bound by what the process may take) is the reader's: ``staging_ring``.
 RING_ENV = STAGING_RING_ENV
 
-Info = Tuple[str, str, List[int], int, int]  # (name, dtype code, shape, begin, end), as Handle.infos()
+Info = TensorInfo  # a header entry, as Handle.infos() returns it
 Progress = Callable[[int, int], None]
 
 
 # -- plan -----------------------------------------------------------------------------------------
 
 
-class Fill(NamedTuple):
-    """One fill of one staging buffer.
-
-    ``reads``: (data offset, length, staging offset): contiguous spans of the data area (one read
-    each; several only when the wanted tensors are not contiguous). ``length``: staging bytes used
-    (never above the buffer size). ``copies``: (tensor name, offset in the tensor's bytes, staging
-    offset, nbytes). ``source``: index of the file the fill reads."""
-
-    source: int
-    reads: List[Tuple[int, int, int]]
-    length: int
-    copies: List[Tuple[str, int, int, int]]
-
-    @property
-    def offset(self) -> int:
-        """Data offset of the first byte read."""
-        return self.reads[0][0]
-
-
-def plan_spans(infos: Sequence[Info], buffer_bytes: int, source: int = 0) -> List[Fill]:
-    """The fills that bring ``infos``' bytes through staging buffers of ``buffer_bytes``, as the
-    Rust planner makes them (``plan::staging_fills``): tensors in offset order, small ones packed
-    together, large ones split across fills, contiguous tensors sharing one read. Zero-size
-    tensors need no fill."""
-    if buffer_bytes < 1:
-        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
-    names = [i[0] for i in infos]
-    planned = staging_fills([(i[3], i[4]) for i in infos], buffer_bytes, source)
-    return [Fill(src, [tuple(r) for r in reads], length,  # type: ignore[misc]
-                 [(names[t], t_off, s_off, n) for t, t_off, s_off, n in copies])
-            for src, reads, length, copies in planned]
+def plan_spans(infos: Sequence[Any], buffer_bytes: int, source: int = 0) -> List[Fill]:
+    """The fills (``Fill``: source, reads, length, copies) that bring ``infos``' bytes (header
+    entries: name, begin, end) through staging buffers of ``buffer_bytes``: the reader's plan."""
+    return staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes, source)
 
 
 def _pow2ceil(n: int) -> int:
@@ -271,10 +247,6 @@ def make_sink(device: Any) -> Sink:
 # -- loader ---------------------------------------------------------------------------------------
 
 
-#: Stats of the most recent staged load in this process (tests and benchmarks read it).
-last_stats: Optional[StagingStats] = None
-
-
 def device_target(framework: Any, device: Any) -> Any:
     """The torch.device a load should be staged to (torch framework, non-CPU device), else None.
     Raises SafetensorError, before any read, when torch lacks the device."""
@@ -301,7 +273,7 @@ def load_to_device(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
-) -> Dict[str, Any]:
+) -> Tuple[Dict[str, Any], StagingStats]:
     """Loads tensors of one or more files onto ``device`` through the staging ring.
 
     ``sources``: a ``Handle`` or path, or a list of them (shards; a tensor name may appear in
@@ -342,40 +314,31 @@ def load_to_device(
                            drop_cache=drop_cache)
                 opened.append(h)
                 handles.append(h)
+        loaded = None
         if mps is not None:
-            loaded = _mps.load(handles, wanted_tensors(handles, per_source), mps, progress)
-            if loaded is not None:
-                out, last_stats = loaded
-                return out
-            sink = make_sink(mps)  # no usable alias: host memory, then .to
-        assert sink is not None
-        return _load(handles, per_source, sink, n_buffers, buf_bytes, progress)
+            loaded = _mps.load(handles, wanted_tensors(handles, per_source)[0], mps, progress)
+            sink = make_sink(mps)  # used when there is no usable alias: host memory, then .to
+        if loaded is None:
+            assert sink is not None
+            loaded = _load(handles, per_source, sink, n_buffers, buf_bytes, progress)
+        if handles:
+            loaded[1].read = functools.reduce(operator.add, [h.stats() for h in handles])
+        return loaded
     finally:
         for h in opened:
             h.close()
 
 
-def wanted_tensors(handles: Sequence[Handle], per_source: Sequence[Optional[List[str]]]) -> List[List[Info]]:
-    """Wanted tensors, per file in offset order; names and types checked before anything is
+def wanted_tensors(handles: Sequence[Handle], per_source: Sequence[Optional[List[str]]],
+                   buffer_bytes: int = 1 << 20) -> Tuple[List[List[Info]], List[Fill]]:
+    """The wanted tensors per file in offset order, and their fills through the ring (the
+    reader's plan: names and shards checked), each with a torch dtype, before anything is
     allocated."""
-    wanted: List[List[Info]] = []
-    seen: Dict[str, int] = {}
-    for i, (h, want) in enumerate(zip(handles, per_source)):
-        infos = sorted(h.infos(), key=lambda t: (t[3], t[4]))
-        if want is not None:
-            by_name = {t[0]: t for t in infos}
-            missing = [n for n in want if n not in by_name]
-            if missing:
-                raise SafetensorError(f"File does not contain tensor {missing[0]}")
-            keep = set(want)
-            infos = [t for t in infos if t[0] in keep]
-        for name, code, _, _, _ in infos:
-            if name in seen and seen[name] != i:
-                raise SafetensorError(f"tensor {name} appears in more than one shard")
-            seen[name] = i
-            torch_dtype(code, name)
-        wanted.append(infos)
-    return wanted
+    wanted, fills = staging_plan([h.infos() for h in handles], list(per_source), buffer_bytes)
+    for infos in wanted:
+        for t in infos:
+            torch_dtype(t.dtype, t.name)
+    return wanted, fills
 
 
 def _load(
@@ -385,24 +348,18 @@ def _load(
     n_buffers: int,
     buf_bytes: int,
     progress: Optional[Progress],
-) -> Dict[str, Any]:
-    global last_stats
+) -> Tuple[Dict[str, Any], StagingStats]:
     started = time.perf_counter()
     stats = StagingStats()
     stats.pinned = sink.pinned
-
-    wanted = wanted_tensors(handles, per_source)
-
-    fills: List[Fill] = []
-    for i, infos in enumerate(wanted):
-        fills.extend(plan_spans(infos, buf_bytes, i))
+    wanted, fills = wanted_tensors(handles, per_source, buf_bytes)
     total = sum(f.length for f in fills)
     remaining: Dict[str, int] = {}
     meta: Dict[str, Tuple[str, List[int]]] = {}
     for infos in wanted:
-        for name, code, shape, begin, end in infos:
-            remaining[name] = end - begin
-            meta[name] = (code, shape)
+        for t in infos:
+            remaining[t.name] = t.nbytes
+            meta[t.name] = (t.dtype, t.shape)
 
     dests: Dict[str, Any] = {}
     out: Dict[str, Any] = {}
@@ -443,9 +400,7 @@ def _load(
             slot = index % len(ring)
             buf, address = ring[slot]
             sink.filling(index, slot)
-            h = handles[fill.source]
-            for offset, length, at in fill.reads:
-                h.read_into(buf[at:at + length], offset)
+            handles[fill.source].read_ranges([(buf[at:at + length], offset) for offset, length, at in fill.reads])
             in_flight[index] = fill.length
             stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
             pairs = []
@@ -477,9 +432,8 @@ def _load(
     stats.tensors = len(out)
     stats.fills = len(fills)
     stats.seconds = time.perf_counter() - started
-    last_stats = stats
     # File order (offset order per file, files in order), as the CPU path returns.
-    return {t[0]: out[t[0]] for infos in wanted for t in infos}
+    return {t.name: out[t.name] for infos in wanted for t in infos}, stats
 
 
 def load_checkpoint_to_device(
@@ -492,12 +446,7 @@ def load_checkpoint_to_device(
     progress: Optional[Progress] = None,
 ) -> Tuple[Dict[str, Any], Any]:
     """``load_checkpoint`` to a device: every shard through one staging ring. Returns the state
-    dict and a :class:`safeload._open.Stats`."""
-    from ._safeload import DEFAULT_CHUNK_BYTES
-
-    out = load_to_device(paths, target, progress=progress, threads=threads,
-                         chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-    s = last_stats
-    stats = Stats("pread", threads or 0, chunk_bytes or DEFAULT_CHUNK_BYTES,
-                  s.bytes if s else 0, s.seconds if s else 0.0, "")
-    return out, stats
+    dict and the reader's :class:`Stats` of its reads."""
+    out, stats = load_to_device(paths, target, progress=progress, threads=threads,
+                                chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    return out, stats.read

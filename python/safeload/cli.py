@@ -85,7 +85,8 @@ def inspect_file(path: str, as_json: bool = False, out: Any = None) -> int:
     with safe_open(path, "np", backend="pread") as f:
         h = f._handle
         rows: List[Dict[str, Any]] = [
-            {"name": n, "dtype": d, "shape": list(s), "begin": b, "end": e, "bytes": e - b} for n, d, s, b, e in h.infos()
+            {"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "begin": i.begin, "end": i.end, "bytes": i.nbytes}
+            for i in h.infos()
         ]
         info = {
             "path": os.fspath(path),
@@ -153,14 +154,13 @@ def verify_file(path: str, threads: Optional[int] = None) -> str:
     primary = Checkpoint([path], "pread", threads=threads)
     mirror = Handle(path, "mmap")
     try:
-        infos = [i[:5] for i in primary.infos()]
-        names = [n for n, *_ in infos]
+        infos = primary.infos()
+        names = [i.name for i in infos]
         if mirror.offset_keys() != names or mirror.infos() != infos:
             raise SafetensorError("pread and mmap handles disagree on the header")
-        total, nbytes, seconds = 0, 0, 0.0
+        total = 0
         for batch in primary.batches(max_bytes=VERIFY_BATCH_BYTES):
-            items, (backend, _threads, _chunk, read, took, _storage) = primary.read(batch)
-            nbytes, seconds = nbytes + read, seconds + took
+            items, _ = primary.read(batch)
             for name, code, shape, data in items:
                 _, m_code, m_shape, m_data = mirror.read(name)
                 if (m_code, list(m_shape)) != (code, list(shape)):
@@ -170,12 +170,11 @@ def verify_file(path: str, threads: Optional[int] = None) -> str:
                 total += len(data)
                 del data, m_data
             del items
-        backend = primary.backend
+        stats = primary.stats()
     finally:
         primary.close()
         mirror.close()
-    rate = nbytes / seconds / 2**30 if seconds else 0.0
-    return f"OK {path} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {backend}, {rate:.2f} GiB/s)"
+    return f"OK {path} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {stats.backend}, {stats.gib_per_s:.2f} GiB/s)"
 
 
 def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:

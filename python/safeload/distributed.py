@@ -28,7 +28,7 @@ from ._checkpoint import resolve
 from ._frameworks import to_torch, torch_dtype, torch_shape
 from ._open import Stats, resolve_backend
 from . import _safeload
-from ._safeload import DEFAULT_CHUNK_BYTES, Checkpoint, Handle, SafetensorError
+from ._safeload import Checkpoint, Handle, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
 
@@ -42,15 +42,16 @@ BATCH_BYTES = 64 << 20
 
 
 class _Entry:
-    """A tensor of the load as the exchange needs it: the reader's plan of it (a ``Share``:
-    name, nbytes, owner, needing) and its torch dtype and shape."""
+    """A tensor of the load as the exchange needs it: the reader's plan of it (a ``Share``: its
+    header entry, owner, needing) and its torch dtype and shape."""
 
     __slots__ = ("name", "nbytes", "owner", "needing", "dtype", "tshape")
 
     def __init__(self, share: Any) -> None:
-        self.name, self.nbytes, self.owner, self.needing = share.name, share.nbytes, share.owner, share.needing
-        self.dtype = torch_dtype(share.dtype, share.name)
-        self.tshape = torch_shape(share.dtype, share.shape)
+        info = share.info
+        self.name, self.nbytes, self.owner, self.needing = info.name, info.nbytes, share.owner, share.needing
+        self.dtype = torch_dtype(info.dtype, info.name)
+        self.tshape = torch_shape(info.dtype, info.shape)
 
 
 def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[int]] = None) -> List[int]:
@@ -119,15 +120,13 @@ def _check(dist: Any, group: Any, rank: int, error: Optional[BaseException], com
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Tuple[Dict[str, Any], Stats]:
+def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Dict[str, Any]:
     """Reads this rank's tensors of a round through the checkpoint's one worker pool (shards
-    opened once for the whole load); CPU tensors each owning its memory. Returns the reader's
-    own stats of the read."""
+    opened once for the whole load); CPU tensors each owning its memory."""
     if not mine:
-        return {}, Stats(ckpt.backend, 0, 0, 0, 0.0, "")
-    items, counters = ckpt.read([e.name for e in mine])
-    return {name: to_torch(code, shape, data, name) for name, code, shape, data in items}, \
-        Stats.from_rust(counters)
+        return {}
+    items, _ = ckpt.read([e.name for e in mine])
+    return {name: to_torch(code, shape, data, name) for name, code, shape, data in items}
 
 
 def _flat(t: Any) -> Any:
@@ -287,12 +286,10 @@ def load_checkpoint(
         error = exc
     _check(dist, group, rank, error, comm, "load_checkpoint (planning)")
     exchange = _Exchange(dist, group, rank, comm)
-    stats = Stats(backend, 0, chunk_bytes or DEFAULT_CHUNK_BYTES, 0, 0.0, "")
     for batch in rounds:
         have: Dict[str, Any] = {}
         try:
-            have, read = _read_share(ckpt, [e for e in batch if e.owner == rank])
-            stats.add(read)
+            have = _read_share(ckpt, [e for e in batch if e.owner == rank])
             error = None
         except Exception as exc:
             error = exc
@@ -300,8 +297,8 @@ def load_checkpoint(
         exchange.post(batch, have)
         del have
     out = exchange.finish(entries)
-    if ckpt is not None:
-        ckpt.close()
+    stats = ckpt.stats()  # what this rank read
+    ckpt.close()
     if dev != comm:
         out = {k: v.to(dev) for k, v in out.items()}
     state = {e.name: out[e.name] for e in entries if e.name in out}
@@ -312,9 +309,9 @@ def load_checkpoint(
 def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,
                threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool) -> Any:
     """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need."""
-    started = time.perf_counter()
     out: Dict[str, Any] = {}
-    nbytes, used, used_threads, paths = 0, backend, 0, []
+    paths: List[str] = []
+    stats = Stats(backend)  # nothing read yet; each file's handle adds its own
     error: Optional[BaseException] = None
     try:
         paths = resolve(path_or_paths)
@@ -330,9 +327,7 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
                     index = wanted.pop(name)
                     rcode, rshape, data = h.read_slice(name, Ellipsis if index is None else index)
                     out[name] = to_torch(rcode, rshape, data, name)
-                b, _, t, _ = h.stats()  # every read, whole tensors and slices, records its bytes
-                nbytes += b
-                used, used_threads = h.backend, max(used_threads, t)
+                stats = stats + h.stats()  # every read, whole tensors and slices, records its bytes
             finally:
                 h.close()
         if wanted:
@@ -348,7 +343,5 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
         dist = _dist()
         group = _group(process_group)
         _agree(dist, group, dist.get_rank(group), error, None, "load_checkpoint (plan)")
-    seconds = time.perf_counter() - started
-    stats = Stats(used, used_threads, chunk_bytes or DEFAULT_CHUNK_BYTES, nbytes, seconds, "")
     _logging.log_read(paths, stats, "load_checkpoint(plan)")
     return (out, stats) if return_stats else out

@@ -6,8 +6,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySlice, PyTuple};
 
 use super::bytes::Bytes;
-use super::errors::SafetensorError;
 use crate::dtype::Dtype;
+use crate::error::Error;
 use crate::slice::{Bounds, Index};
 use crate::source::ReadOptions;
 use crate::storage::Backend;
@@ -17,10 +17,10 @@ pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
 
 pub(super) fn parse_backend(name: &str) -> PyResult<Backend> {
     Backend::parse(name).ok_or_else(|| {
-        SafetensorError::new_err(format!(
+        PyErr::from(Error::Argument(format!(
             "backend {name:?} is invalid (expected one of: {})",
             Backend::NAMES
-        ))
+        )))
     })
 }
 
@@ -38,7 +38,7 @@ pub(super) fn options(
 
 pub(super) fn parse_dtype(code: Option<&str>) -> PyResult<Option<Dtype>> {
     code.map(|c| {
-        Dtype::from_code(c).ok_or_else(|| SafetensorError::new_err(format!("dtype {c} is invalid")))
+        Dtype::from_code(c).ok_or_else(|| Error::Argument(format!("dtype {c} is invalid")).into())
     })
     .transpose()
 }
@@ -62,9 +62,7 @@ pub(super) fn parse_key(key: &Bound<'_, PyAny>, ndim: usize) -> PyResult<Vec<Ind
     let py = key.py();
     let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = key.cast::<PyList>() {
         if !list.is_empty() {
-            return Err(SafetensorError::new_err(
-                "Non empty lists are not implemented",
-            ));
+            return Err(Error::Slice("Non empty lists are not implemented".into()).into());
         }
         return Ok(vec![Index::Range {
             start: Some(0),

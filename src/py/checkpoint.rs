@@ -11,28 +11,15 @@ use pyo3::prelude::*;
 use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
-use super::errors::{SafetensorError, detached, to_py};
+use super::errors::detached;
+use super::info::Info;
 use super::shares::{self, Share};
-use crate::checkpoint::{self, Entry, ReadStats};
+use super::stats::Stats;
+use super::stream::Stream;
+use crate::checkpoint::{self, Entry};
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::source::Target;
-
-/// (backend, threads, chunk_bytes, bytes, seconds, storage): one read, as Python's `Stats`.
-type StatsTuple = (&'static str, usize, usize, u64, f64, &'static str);
-/// (name, dtype code, shape, begin, end, shard index).
-type InfoTuple = (String, &'static str, Vec<usize>, usize, usize, usize);
-
-fn stats(s: ReadStats) -> StatsTuple {
-    (
-        s.backend.name(),
-        s.threads,
-        s.chunk_bytes,
-        s.bytes,
-        s.seconds,
-        s.storage,
-    )
-}
 
 fn tuples(entries: &[Entry<'_>], read: crate::source::Tensors) -> Vec<TensorTuple> {
     entries
@@ -60,7 +47,7 @@ impl Checkpoint {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| SafetensorError::new_err("Checkpoint is closed"))
+            .ok_or_else(|| Error::Closed("Checkpoint").into())
     }
 }
 
@@ -78,9 +65,7 @@ impl Checkpoint {
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
-        let inner = py
-            .detach(|| checkpoint::Checkpoint::open(&paths, backend, opts))
-            .map_err(to_py)?;
+        let inner = py.detach(|| checkpoint::Checkpoint::open(&paths, backend, opts))?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),
         })
@@ -92,21 +77,12 @@ impl Checkpoint {
         Ok(self.get()?.strategy().name())
     }
 
-    /// Every tensor as (name, dtype, shape, begin, end, shard), in (shard, offset) order.
-    fn infos(&self) -> PyResult<Vec<InfoTuple>> {
+    /// Every tensor's header entry, in (shard, offset) order.
+    fn infos(&self) -> PyResult<Vec<Info>> {
         Ok(self
             .get()?
             .entries()
-            .map(|(s, t)| {
-                (
-                    t.name.clone(),
-                    t.dtype.code(),
-                    t.shape.clone(),
-                    t.begin,
-                    t.end,
-                    s,
-                )
-            })
+            .map(|(s, t)| Info::new(s, t))
             .collect())
     }
 
@@ -115,7 +91,7 @@ impl Checkpoint {
     #[pyo3(signature = (names=None, *, max_bytes))]
     fn batches(&self, names: Option<Vec<String>>, max_bytes: u64) -> PyResult<Vec<Vec<String>>> {
         let ckpt = self.get()?;
-        let picked = ckpt.select(names.as_deref()).map_err(to_py)?;
+        let picked = ckpt.select(names.as_deref())?;
         Ok(checkpoint::Checkpoint::batches(&picked, max_bytes)
             .into_iter()
             .map(|b| b.into_iter().map(|(_, t)| t.name.clone()).collect())
@@ -130,13 +106,13 @@ impl Checkpoint {
         py: Python<'_>,
         names: Option<Vec<String>>,
         dtype: Option<&str>,
-    ) -> PyResult<(Vec<TensorTuple>, StatsTuple)> {
+    ) -> PyResult<(Vec<TensorTuple>, Stats)> {
         let dtype = parse_dtype(dtype)?;
         let ckpt = self.get()?;
-        let picked = ckpt.select(names.as_deref()).map_err(to_py)?;
+        let picked = ckpt.select(names.as_deref())?;
         let c: &checkpoint::Checkpoint = &ckpt;
         let (read, s) = detached(py, |poll| c.read(&picked, dtype, poll))?;
-        Ok((tuples(&picked, read), stats(s)))
+        Ok((tuples(&picked, read), Stats::from(s)))
     }
 
     /// Reads each named tensor straight into the matching destination: a host tensor or array
@@ -147,13 +123,13 @@ impl Checkpoint {
         py: Python<'_>,
         names: Vec<String>,
         dests: Vec<Bound<'_, PyAny>>,
-    ) -> PyResult<StatsTuple> {
+    ) -> PyResult<Stats> {
         if names.len() != dests.len() {
-            return Err(SafetensorError::new_err(format!(
+            return Err(PyErr::from(Error::Destination(format!(
                 "{} names for {} destinations",
                 names.len(),
                 dests.len()
-            )));
+            ))));
         }
         let ckpt = self.get()?;
         let labels: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -161,13 +137,13 @@ impl Checkpoint {
         let dtypes = held.dtypes();
         let mut targets = Vec::with_capacity(names.len());
         for ((name, dest), dtype) in names.iter().zip(held.slices()).zip(dtypes) {
-            let (source, info) = ckpt.get(name).map_err(to_py)?;
+            let (source, info) = ckpt.get(name)?;
             // A uint8 view of the tensor's own size takes its bytes as they are.
             let dtype = match dtype {
                 Some(Dtype::U8) if dest.len() == info.nbytes() => info.dtype,
                 Some(d) => d,
                 None => {
-                    return Err(to_py(Error::Destination(format!(
+                    return Err(PyErr::from(Error::Destination(format!(
                         "the destination of tensor {name} has an element type the format lacks"
                     ))));
                 }
@@ -181,7 +157,7 @@ impl Checkpoint {
         }
         let c: &checkpoint::Checkpoint = &ckpt;
         let s = detached(py, |poll| c.read_into(targets, poll))?;
-        Ok(stats(s))
+        Ok(Stats::from(s))
     }
 
     /// The plan of a load by `world` ranks: (shares of the tensors some rank needs, in (shard,
@@ -197,6 +173,22 @@ impl Checkpoint {
         batch_bytes: u64,
     ) -> PyResult<(Vec<Share>, Vec<Vec<usize>>)> {
         shares::plan(&*self.get()?, world, ranks_needing, selections, batch_bytes)
+    }
+
+    /// Every tensor in file order, in batches of at most `max_bytes` (a larger tensor alone),
+    /// the next batch read ahead while the caller uses the current one (see `Stream`).
+    #[pyo3(signature = (*, max_bytes))]
+    fn stream(&self, max_bytes: u64) -> PyResult<Stream> {
+        Ok(Stream::new(crate::stream::Stream::start(
+            self.get()?,
+            max_bytes,
+        )))
+    }
+
+    /// Totals of this checkpoint's reads so far: bytes and seconds added up, the most workers a
+    /// read used; zeros, with the backend reads will use, before any.
+    fn stats(&self) -> PyResult<Stats> {
+        Ok(Stats::from(self.get()?.totals()))
     }
 
     /// What every rank must agree on: shard file names and each tensor's place, dtype and shape.

@@ -1,4 +1,5 @@
-//! The single conversion from the core's [`Error`] to Python exceptions.
+//! The single conversion from the core's [`Error`] to Python exceptions (`impl From<Error> for
+//! PyErr`), the exception classes it raises, and [`detached`] (reads with the GIL released).
 
 use pyo3::exceptions::{
     PyException, PyFileNotFoundError, PyIndexError, PyIsADirectoryError, PyMemoryError, PyOSError,
@@ -49,7 +50,15 @@ pub fn slice_index_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|class| class.bind(py))
 }
 
-pub fn to_py(err: Error) -> PyErr {
+/// The one conversion: each error kind to the exception Python users expect for it, the
+/// message as the core words it (0.8's where 0.8 has one). `?` applies it in the binding.
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        to_py(err)
+    }
+}
+
+fn to_py(err: Error) -> PyErr {
     if let Error::SliceIndex(message) = err {
         return Python::attach(|py| match slice_index_error(py) {
             Ok(class) => PyErr::from_type(class.clone(), message),
@@ -88,6 +97,6 @@ pub fn detached<T: Send>(
         (Ok(value), None) => Ok(value),
         (Ok(_), Some(e)) => Err(e),
         (Err(Error::Cancelled), Some(e)) => Err(e),
-        (Err(e), _) => Err(to_py(e)),
+        (Err(e), _) => Err(e.into()),
     }
 }

@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PySlice};
 
 use super::args::TensorTuple;
 use super::bytes::Bytes;
-use super::errors::{SafetensorError, detached, to_py};
+use super::errors::detached;
 use super::provided;
 use crate::error::Error;
 use crate::prefetch::{self, Rows};
@@ -34,9 +34,9 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
                     return Ok(None);
                 }
                 v.extract::<i64>().map(Some).map_err(|_| {
-                    SafetensorError::new_err(format!(
+                    PyErr::from(Error::Prefetch(format!(
                         "prefetch plan entry {name}: slice bounds must be ints or None"
-                    ))
+                    )))
                 })
             };
             Rows::Slice {
@@ -45,10 +45,10 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
                 step: bound("step")?,
             }
         } else {
-            return Err(SafetensorError::new_err(format!(
+            return Err(PyErr::from(Error::Prefetch(format!(
                 "prefetch plan entry {name}: expected None or a slice, got {}",
                 value.get_type().name()?
-            )));
+            ))));
         };
         out.push((name, rows));
     }
@@ -110,7 +110,7 @@ impl Prefetch {
 
     fn check_open(&self) -> PyResult<()> {
         if self.closed.load(Ordering::Relaxed) {
-            return Err(SafetensorError::new_err("the PrefetchLoader is closed"));
+            return Err(Error::Closed("the PrefetchLoader").into());
         }
         Ok(())
     }
@@ -121,7 +121,7 @@ impl Prefetch {
         let item = &self.ahead.items()[i];
         let s: &Source = &self.source;
         if self.strategy == Strategy::Mmap {
-            return Ok(Bytes::new(s.map_span(item.begin, item.end).map_err(to_py)?));
+            return Ok(Bytes::new(s.map_span(item.begin, item.end)?));
         }
         let (strategy, opts) = (self.strategy, self.opts);
         let (mut read, report, _) = detached(py, |poll| {
@@ -166,7 +166,7 @@ impl Prefetch {
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let Some(&i) = self.index.get(name) else {
-            return Err(to_py(Error::Prefetch(format!(
+            return Err(PyErr::from(Error::Prefetch(format!(
                 "{name} is not in the prefetch plan of {}",
                 self.source.path.display()
             ))));
@@ -174,7 +174,7 @@ impl Prefetch {
         {
             let mut delivered = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
             if delivered[i] {
-                return Err(to_py(Error::Prefetch(format!(
+                return Err(PyErr::from(Error::Prefetch(format!(
                     "{name} was already delivered by this PrefetchLoader"
                 ))));
             }

@@ -6,7 +6,6 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::dlpack::Destinations;
-use super::errors::to_py;
 use crate::buffer::{Fresh, TensorBytes};
 use crate::header::TensorInfo;
 use crate::readahead::ReadAhead;
@@ -36,7 +35,9 @@ pub(super) fn provide(
     let infos: Vec<&TensorInfo> = wanted.iter().map(|&i| &ahead.items()[i]).collect();
     let made = destinations(&infos, allocate);
     let failed = made.as_ref().err().map(|e| e.clone_ref(py));
-    let provided = ahead.provide(&wanted, made.ok().flatten()).map_err(to_py);
+    let provided = ahead
+        .provide(&wanted, made.ok().flatten())
+        .map_err(PyErr::from);
     match failed {
         Some(e) => Err(e),
         None => provided,

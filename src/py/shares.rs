@@ -6,17 +6,14 @@ use std::collections::HashMap;
 
 use pyo3::prelude::*;
 
-use super::errors::to_py;
+use super::info::Info;
 use crate::checkpoint::Checkpoint;
 use crate::shares::{self, Wants};
 
-/// One tensor of a shared load: what it is, the rank that reads it, the ranks that need it.
+/// One tensor of a shared load: its header entry, the rank that reads it, the ranks that need it.
 #[pyclass(frozen, get_all, module = "safeload._safeload")]
 pub struct Share {
-    name: String,
-    dtype: &'static str,
-    shape: Vec<usize>,
-    nbytes: usize,
+    info: Info,
     owner: usize,
     needing: Vec<usize>,
 }
@@ -25,8 +22,10 @@ pub struct Share {
 impl Share {
     fn __repr__(&self) -> String {
         format!(
-            "Share(name={:?}, dtype={}, shape={:?}, nbytes={}, owner={}, needing={:?})",
-            self.name, self.dtype, self.shape, self.nbytes, self.owner, self.needing
+            "Share(info={:?}, owner={}, needing={:?})",
+            self.info.name(),
+            self.owner,
+            self.needing
         )
     }
 }
@@ -43,16 +42,13 @@ pub(super) fn plan(
         ranks_needing: ranks_needing.as_ref(),
         selections: selections.as_deref(),
     };
-    let plan = shares::plan(ckpt, world, &wants, batch_bytes).map_err(to_py)?;
+    let plan = shares::plan(ckpt, world, &wants, batch_bytes)?;
     let entries: Vec<_> = ckpt.entries().collect();
     let out = (plan.shares.into_iter())
         .map(|s| {
-            let t = entries[s.entry].1;
+            let (shard, t) = entries[s.entry];
             Share {
-                name: t.name.clone(),
-                dtype: t.dtype.code(),
-                shape: t.shape.clone(),
-                nbytes: t.nbytes(),
+                info: Info::new(shard, t),
                 owner: s.owner,
                 needing: s.needing,
             }

@@ -1,10 +1,13 @@
 //! Accelerator loads' staging ring as the Python loader (`_staging.py`) drives it: the ring's
-//! size and the fills that bring tensors through it (`crate::staging`).
+//! size, the tensors a load wants, and the fills that bring them through it (`crate::staging`).
+
+use std::collections::{HashMap, HashSet};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::to_py;
+use super::info::Info;
+use crate::error::Error;
 use crate::staging;
 
 /// The ring to use, (buffers, bytes each): the arguments, else `$SAFELOAD_STAGING_RING`, else
@@ -17,7 +20,7 @@ pub fn staging_ring(
     buffer_bytes: Option<i64>,
 ) -> PyResult<(usize, usize)> {
     let positive = |v: Option<i64>| v.map(|v| usize::try_from(v).unwrap_or(0));
-    staging::ring(positive(ring_buffers), positive(buffer_bytes)).map_err(to_py)
+    staging::ring(positive(ring_buffers), positive(buffer_bytes)).map_err(PyErr::from)
 }
 
 /// `"4x64MiB"` -> (4, 67108864); ValueError for anything else.
@@ -28,29 +31,115 @@ pub fn parse_ring(text: &str) -> PyResult<(usize, usize)> {
     })
 }
 
-/// (source, reads, length, copies) of one staging fill, copies naming tensors by index.
-type FillTuple = (
-    usize,
-    Vec<(u64, usize, usize)>,
-    usize,
-    Vec<(usize, usize, usize, usize)>,
-);
+/// One fill of a staging buffer: `source` (which file), `reads` (data offset, length, offset in
+/// the buffer: contiguous spans of the data area), `length` (buffer bytes used), `copies`
+/// (tensor name, offset in the tensor's bytes, offset in the buffer, length).
+#[pyclass(frozen, eq, get_all, name = "Fill", module = "safeload._safeload")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fill {
+    source: usize,
+    reads: Vec<(u64, usize, usize)>,
+    length: usize,
+    copies: Vec<(String, usize, usize, usize)>,
+}
 
-/// The staging fills for tensors' data-area spans `(begin, end)` of one source (see
-/// `staging::staging_fills`): where accelerator loads plan their reads.
+#[pymethods]
+impl Fill {
+    /// Data offset of the first byte read.
+    #[getter]
+    fn offset(&self) -> u64 {
+        self.reads.first().map_or(0, |r| r.0)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Fill(source={}, reads={:?}, length={}, copies={:?})",
+            self.source, self.reads, self.length, self.copies
+        )
+    }
+}
+
+/// The fills that bring `tensors` (name, begin, end: data-area spans of file `source`) through
+/// staging buffers of `buffer_bytes`: offset order, small tensors packed together, large ones
+/// split across fills, contiguous ones sharing a read; empty tensors need none.
 #[pyfunction]
+#[pyo3(signature = (tensors, buffer_bytes, source=0))]
 pub fn staging_fills(
-    spans: Vec<(usize, usize)>,
+    tensors: Vec<(String, usize, usize)>,
     buffer_bytes: usize,
     source: usize,
-) -> PyResult<Vec<FillTuple>> {
+) -> PyResult<Vec<Fill>> {
     if buffer_bytes < 1 {
         return Err(PyValueError::new_err(format!(
             "buffer_bytes must be positive, got {buffer_bytes}"
         )));
     }
+    let spans: Vec<(usize, usize)> = tensors.iter().map(|&(_, b, e)| (b, e)).collect();
     Ok(staging::staging_fills(&spans, buffer_bytes, source)
         .into_iter()
-        .map(|f| (f.source, f.reads, f.length, f.copies))
+        .map(|f| Fill {
+            source: f.source,
+            reads: f.reads,
+            length: f.length,
+            copies: (f.copies.into_iter())
+                .map(|(t, at, s_at, n)| (tensors[t].0.clone(), at, s_at, n))
+                .collect(),
+        })
         .collect())
+}
+
+/// What a staged load reads: per file (`files`: each file's header entries, as
+/// `Handle.infos()` gives them), the wanted tensors (`names`: one list, or None for all, per file)
+/// in offset order, and the fills of `buffer_bytes` that bring them through the ring, file after
+/// file. A name a file lacks, or one wanted from two files, is an error before anything is
+/// allocated.
+#[pyfunction]
+pub fn staging_plan(
+    files: Vec<Vec<PyRef<'_, Info>>>,
+    names: Vec<Option<Vec<String>>>,
+    buffer_bytes: usize,
+) -> PyResult<(Vec<Vec<Info>>, Vec<Fill>)> {
+    if names.len() != files.len() {
+        return Err(PyValueError::new_err("names: one entry per source"));
+    }
+    let mut wanted = Vec::with_capacity(files.len());
+    let mut fills = Vec::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (i, (infos, want)) in files.iter().zip(names).enumerate() {
+        let mut picked: Vec<&Info> = match want {
+            None => infos.iter().map(|t| &**t).collect(),
+            Some(want) => {
+                let keep: HashSet<&str> = want.iter().map(String::as_str).collect();
+                let have: HashSet<&str> = infos.iter().map(|t| t.name()).collect();
+                if let Some(missing) = want.iter().find(|n| !have.contains(n.as_str())) {
+                    return Err(Error::TensorNotFound {
+                        name: missing.clone(),
+                    }
+                    .into());
+                }
+                (infos.iter())
+                    .filter(|t| keep.contains(t.name()))
+                    .map(|t| &**t)
+                    .collect()
+            }
+        };
+        picked.sort_by_key(|t| t.span());
+        for t in &picked {
+            if let Some(first) = seen.insert(t.name().to_string(), i)
+                && first != i
+            {
+                return Err(Error::Checkpoint(format!(
+                    "tensor {} appears in more than one shard",
+                    t.name()
+                ))
+                .into());
+            }
+        }
+        let spans: Vec<(String, usize, usize)> = (picked.iter())
+            .map(|t| (t.name().to_string(), t.span().0, t.span().1))
+            .collect();
+        fills.extend(staging_fills(spans, buffer_bytes, i)?);
+        wanted.push(picked.into_iter().map(|t| t.in_shard(i)).collect());
+    }
+    Ok((wanted, fills))
 }

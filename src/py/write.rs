@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
-use super::errors::{SafetensorError, to_py};
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::serialize::{TensorIn, to_bytes, to_file};
@@ -17,10 +16,10 @@ fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
         .or_else(|| Dtype::from_code(name))
         .ok_or_else(|| {
             let known: Vec<&str> = Dtype::ALL.iter().filter_map(|d| d.names().torch).collect();
-            SafetensorError::new_err(format!(
+            PyErr::from(Error::Serialize(format!(
                 "Unknown dtype {name:?}. Supported dtypes: {}",
                 known.join(", ")
-            ))
+            )))
         })
 }
 
@@ -45,7 +44,9 @@ impl TensorSpec {
             && let Some(last) = shape.last_mut()
         {
             *last = last.checked_mul(2).ok_or_else(|| {
-                SafetensorError::new_err(format!("F4 last dimension {last} overflows when doubled"))
+                PyErr::from(Error::Serialize(format!(
+                    "F4 last dimension {last} overflows when doubled"
+                )))
             })?;
         }
         Ok(TensorSpec {
@@ -92,9 +93,9 @@ fn inputs<'a>(specs: &'a [(String, TensorSpec)]) -> PyResult<Vec<TensorIn<'a>>> 
         .iter()
         .map(|(name, spec)| {
             if name == "__metadata__" {
-                return Err(SafetensorError::new_err(
-                    "Error while serializing: a tensor cannot be named `__metadata__` (the header's metadata key)",
-                ));
+                return Err(PyErr::from(Error::Serialize(
+                    "Error while serializing: a tensor cannot be named `__metadata__` (the header's metadata key)".into(),
+                )));
             }
             let data: &[u8] = if spec.data_len == 0 {
                 &[]
@@ -127,9 +128,7 @@ pub fn serialize<'py>(
     let specs = collect(tensor_dict);
     let metadata = metadata_vec(metadata);
     let mut tensors = inputs(&specs)?;
-    let bytes = py
-        .detach(|| to_bytes(&mut tensors, metadata.as_deref()))
-        .map_err(to_py)?;
+    let bytes = py.detach(|| to_bytes(&mut tensors, metadata.as_deref()))?;
     Ok(PyBytes::new(py, &bytes))
 }
 
@@ -146,7 +145,7 @@ pub fn serialize_file(
     let metadata = metadata_vec(metadata);
     let mut tensors = inputs(&specs)?;
     py.detach(|| to_file(&filename, &mut tensors, metadata.as_deref(), fsync))
-        .map_err(to_py)
+        .map_err(PyErr::from)
 }
 
 /// Parses a whole file held in memory: [(name, {"dtype", "shape", "data"})] in file order.
@@ -157,10 +156,11 @@ pub fn deserialize<'py>(
 ) -> PyResult<Vec<(String, Bound<'py, PyDict>)>> {
     let wrap = |reason| {
         let e = Error::header(None, reason);
-        SafetensorError::new_err(
-            e.to_string()
-                .replacen("deserializing header", "deserializing", 1),
-        )
+        PyErr::from(Error::Serialize(e.to_string().replacen(
+            "deserializing header",
+            "deserializing",
+            1,
+        )))
     };
     let n = crate::header::header_len(bytes, bytes.len() as u64).map_err(wrap)?;
     let header =

@@ -135,6 +135,14 @@ impl Shared {
                         return;
                     }
                     if let Some(batch) = self.claim(&mut state) {
+                        if self.mode == Mode::PageCache {
+                            // Counted when claimed, under the lock, not when done: a caller may
+                            // take (map) a tensor this batch is still bringing in, and the count
+                            // must not depend on who is first.
+                            let asked: usize =
+                                batch.iter().map(|(i, _)| self.items[*i].nbytes()).sum();
+                            state.hinted += asked as u64;
+                        }
                         break batch;
                     }
                     if state.scanned >= state.slots.len() {
@@ -153,9 +161,7 @@ impl Shared {
             let mut state = self.lock();
             match read {
                 Ok((buffers, report)) => {
-                    if self.mode == Mode::PageCache {
-                        state.hinted += infos.iter().map(|t| t.nbytes() as u64).sum::<u64>();
-                    } else {
+                    if self.mode != Mode::PageCache {
                         state.bytes_read += report.bytes;
                     }
                     state.seconds += report.seconds;

@@ -1,4 +1,12 @@
-//! `Handle`: one open file, as the Python `safe_open` uses it.
+//! `Handle`: one open file, as the Python `safe_open` uses it. Here its state and the one
+//! `#[pymethods]` block, whose methods convert arguments; what they read is in `reads` (whole
+//! tensors), `slices` (parts of one) and `ahead` (the read-ahead, `take_into`, `prefetch`).
+
+mod ahead;
+mod reads;
+mod slices;
+
+use slices::{covers, slice_plan};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -6,18 +14,15 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{TensorTuple, options, parse_backend, parse_bounds, parse_dtype, parse_key};
+use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
-use super::dlpack::Destinations;
-use super::errors::{SafetensorError, detached, to_py};
+use super::info::Info;
 use super::prefetch::{self, Prefetch};
-use super::provided;
-use crate::dtype::Dtype;
+use super::stats::Stats;
+use crate::checkpoint::ReadStats;
 use crate::engine::Report;
 use crate::error::Error;
-use crate::header::TensorInfo;
-use crate::readahead::{self, Mode, ReadAhead};
-use crate::slice;
+use crate::readahead::{self, ReadAhead};
 use crate::source::{self, ReadOptions, Source};
 use crate::storage::{Backend, Strategy};
 
@@ -27,7 +32,6 @@ struct Totals {
     bytes: u64,
     seconds: f64,
     threads: usize,
-    reads: u64,
 }
 
 #[pyclass(frozen, module = "safeload._safeload")]
@@ -38,14 +42,14 @@ pub struct Handle {
     /// costs no residency probe). Direct falls back to Pread when the filesystem refuses O_DIRECT.
     strategy: RwLock<Option<Strategy>>,
     opts: ReadOptions,
+    /// The request size and filesystem kind, fixed at open (`stats` reports them after close).
+    chunk_bytes: usize,
+    storage: &'static str,
     totals: Mutex<Totals>,
     /// Read-ahead for tensors pulled one at a time, shared with this handle's shares (slices);
     /// made at the first such read, None when `SAFELOAD_READAHEAD_BYTES=0`.
     ahead: Arc<OnceLock<Option<ReadAhead>>>,
 }
-
-/// (name, dtype code, shape, begin, end): a header entry.
-type InfoTuple = (String, &'static str, Vec<usize>, usize, usize);
 
 impl Handle {
     fn source(&self) -> PyResult<Arc<Source>> {
@@ -53,7 +57,7 @@ impl Handle {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| SafetensorError::new_err("File is closed"))
+            .ok_or_else(|| Error::Closed("File").into())
     }
 
     fn strategy(&self) -> Strategy {
@@ -74,83 +78,10 @@ impl Handle {
         let mut t = self.totals.lock().unwrap_or_else(|p| p.into_inner());
         t.bytes += report.bytes;
         t.seconds += report.seconds;
-        t.threads = report.threads;
-        t.reads += 1;
+        t.threads = t.threads.max(report.threads);
         if report.direct_refused {
             *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(Strategy::Pread);
         }
-    }
-
-    /// The handle's read-ahead, made at the first call: into `provided` destinations (see
-    /// `take_into`), or the handle's own memory or page cache.
-    fn ahead(&self, source: &Arc<Source>, provided: bool) -> Option<&ReadAhead> {
-        self.ahead
-            .get_or_init(|| {
-                let budget = readahead::budget_from_env();
-                let mode = if provided {
-                    Mode::Provided
-                } else {
-                    Mode::for_strategy(self.strategy())
-                };
-                (budget > 0).then(|| ReadAhead::new(source.clone(), mode, self.opts, budget))
-            })
-            .as_ref()
-    }
-
-    /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,
-    /// else read now (a view of the map under mmap). Starts the read-ahead on first use (parts of
-    /// a tensor, in `read_slice`, only use what it already holds).
-    fn whole(
-        &self,
-        py: Python<'_>,
-        source: &Arc<Source>,
-        info: &TensorInfo,
-    ) -> PyResult<TensorTuple> {
-        let index = source
-            .header
-            .index_of(&info.name)
-            .expect("info comes from this header");
-        if let Some(ahead) = self.ahead(source, false)
-            && ahead.mode() != Mode::Provided
-        {
-            let taken = detached(py, |poll| ahead.take(index, true, poll))?;
-            if let Some(bytes) = taken {
-                return Ok((
-                    info.name.clone(),
-                    info.dtype.code(),
-                    info.shape.clone(),
-                    Bytes::new(bytes),
-                ));
-            }
-        }
-        let (mut out, _) = self.read_infos(py, source, vec![info], None)?;
-        Ok(out.pop().expect("one tensor asked, one read"))
-    }
-
-    /// Reads (or maps) `infos`; returns their tuples and the strategy that ran (a map cannot
-    /// convert dtypes, so `Mmap` with a converting `dtype` runs `Pread`).
-    fn read_infos(
-        &self,
-        py: Python<'_>,
-        source: &Arc<Source>,
-        infos: Vec<&TensorInfo>,
-        dtype: Option<Dtype>,
-    ) -> PyResult<(Vec<TensorTuple>, Strategy)> {
-        let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
-        let (opts, strategy) = (self.opts, self.strategy());
-        let s: &Source = source;
-        let (buffers, report, ran) = detached(py, |poll| {
-            source::read_or_map(&[s], &wanted, strategy, dtype, &opts, poll)
-        })?;
-        if ran != Strategy::Mmap {
-            self.record(&report);
-        }
-        let tuples = infos
-            .into_iter()
-            .zip(buffers)
-            .map(|(t, (b, d))| (t.name.clone(), d.code(), t.shape.clone(), Bytes::new(b)))
-            .collect();
-        Ok((tuples, ran))
     }
 }
 
@@ -170,12 +101,15 @@ impl Handle {
         readahead: bool,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
-        let source = py.detach(|| Source::open(&path)).map_err(to_py)?;
+        let source = py.detach(|| Source::open(&path))?;
+        let opts = options(threads, chunk_bytes, drop_cache);
         Ok(Handle {
+            chunk_bytes: source::chunk_bytes(&[&source], &opts),
+            storage: source.kind.name(),
             source: RwLock::new(Some(Arc::new(source))),
             requested: backend,
             strategy: RwLock::new(None),
-            opts: options(threads, chunk_bytes, drop_cache),
+            opts,
             totals: Mutex::new(Totals::default()),
             ahead: Arc::new(if readahead {
                 OnceLock::new()
@@ -197,19 +131,22 @@ impl Handle {
         Ok(self.source()?.kind.name())
     }
 
-    /// Totals of the reads made so far: bytes, seconds, threads of the last read, reads.
-    fn stats(&self) -> (u64, f64, usize, u64) {
+    /// Totals of this handle's reads so far, its read-ahead's included: the backend, the most
+    /// workers a read used, the request size, bytes, seconds, the filesystem kind.
+    fn stats(&self) -> Stats {
         let t = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
         let ahead = match self.ahead.get() {
             Some(Some(a)) => a.totals(),
             _ => readahead::Totals::default(),
         };
-        (
-            t.bytes + ahead.bytes_read,
-            t.seconds + ahead.seconds,
-            t.threads,
-            t.reads,
-        )
+        Stats::from(ReadStats {
+            backend: self.strategy(),
+            threads: t.threads,
+            chunk_bytes: self.chunk_bytes,
+            bytes: t.bytes + ahead.bytes_read,
+            seconds: t.seconds + ahead.seconds,
+            storage: self.storage,
+        })
     }
 
     /// Bytes the read-ahead holds for tensors not asked for yet (owned memory, or page cache
@@ -228,8 +165,8 @@ impl Handle {
     }
 
     #[getter]
-    fn chunk_bytes(&self) -> PyResult<usize> {
-        Ok(source::chunk_bytes(&[&*self.source()?], &self.opts))
+    fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
     }
 
     #[getter]
@@ -248,6 +185,8 @@ impl Handle {
             requested: self.requested,
             strategy: RwLock::new(Some(self.strategy())),
             opts: self.opts,
+            chunk_bytes: self.chunk_bytes,
+            storage: self.storage,
             totals: Mutex::new(Totals::default()),
             ahead: self.ahead.clone(),
         })
@@ -299,7 +238,7 @@ impl Handle {
     /// (dtype code, shape, begin, end) of one tensor, data offsets relative to the data area.
     fn meta(&self, name: &str) -> PyResult<(&'static str, Vec<usize>, usize, usize)> {
         let source = self.source()?;
-        let t = source.tensor(name).map_err(to_py)?;
+        let t = source.tensor(name)?;
         Ok((t.dtype.code(), t.shape.clone(), t.begin, t.end))
     }
 
@@ -320,39 +259,25 @@ impl Handle {
     ) -> PyResult<Prefetch> {
         let source = self.source()?;
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
-        let mut opts = self.opts;
-        if let Some(t) = threads {
-            opts.threads = Some(t.max(1));
-        }
-        let strategy = self.strategy();
         let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
-        py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
-            .map_err(to_py)
+        self.start_prefetch(py, source, plan, threads, budget, provided)
     }
 
     /// (dtype code, shape) of one tensor.
     fn info(&self, name: &str) -> PyResult<(&'static str, Vec<usize>)> {
         let source = self.source()?;
-        let t = source.tensor(name).map_err(to_py)?;
+        let t = source.tensor(name)?;
         Ok((t.dtype.code(), t.shape.clone()))
     }
 
-    /// (name, dtype, shape, begin, end) of every tensor, in file order.
-    fn infos(&self) -> PyResult<Vec<InfoTuple>> {
+    /// Every tensor's header entry, in file (offset) order.
+    fn infos(&self) -> PyResult<Vec<Info>> {
         let source = self.source()?;
         Ok(source
             .header
             .tensors
             .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    t.dtype.code(),
-                    t.shape.clone(),
-                    t.begin,
-                    t.end,
-                )
-            })
+            .map(|t| Info::new(0, t))
             .collect())
     }
 
@@ -369,7 +294,7 @@ impl Handle {
     /// Bytes of one tensor.
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
         let source = self.source()?;
-        let info = source.tensor(name).map_err(to_py)?;
+        let info = source.tensor(name)?;
         self.whole(py, &source, info)
     }
 
@@ -382,47 +307,15 @@ impl Handle {
         names: Option<Vec<String>>,
         dtype: Option<&str>,
     ) -> PyResult<Vec<TensorTuple>> {
-        let dtype = parse_dtype(dtype)?;
-        let source = self.source()?;
-        let infos: Vec<&TensorInfo> = match &names {
-            None => source.header.tensors.iter().collect(),
-            Some(names) => {
-                let mut infos = names
-                    .iter()
-                    .map(|n| source.tensor(n))
-                    .collect::<Result<Vec<_>, Error>>()
-                    .map_err(to_py)?;
-                infos.sort_by_key(|t| t.begin);
-                infos
-            }
-        };
-        let (out, ran) = self.read_infos(py, &source, infos, dtype)?;
-        // Views of a map: its pages are made resident ahead of the caller's touches, in file
-        // order (not when the tensors were read into memory, converting).
-        if names.is_none()
-            && ran == Strategy::Mmap
-            && let Some(ahead) = self.ahead(&source, false)
-        {
-            ahead.want_all();
-        }
-        Ok(out)
+        self.read_named(py, names, parse_dtype(dtype)?)
     }
 
-    /// Reads the data area from `offset` on straight into `dest`, any host tensor or array
-    /// exporting DLPack (a pinned staging buffer, an MPS storage's CPU alias), as many bytes as
-    /// it holds; GIL released. Returns bytes read.
-    fn read_into(&self, py: Python<'_>, dest: Bound<'_, PyAny>, offset: u64) -> PyResult<u64> {
-        let source = self.source()?;
-        let opts = self.opts;
-        let s: &Source = &source;
-        let mut held = Destinations::borrow(&[dest], &["<staging>"])?;
-        let mut slices = held.slices();
-        let dest = slices.pop().expect("one destination");
-        let report = detached(py, |poll| {
-            source::read_data_ranges(s, vec![(offset, dest)], &opts, poll)
-        })?;
-        self.record(&report);
-        Ok(report.bytes)
+    /// Reads data-area ranges straight into the caller's memory, all in one plan read by the
+    /// worker pool in file order, GIL released: each `(dest, offset)` fills `dest` (any host
+    /// tensor or array exporting DLPack: a pinned staging buffer, an MPS storage's CPU alias;
+    /// destinations may not overlap) from `offset` bytes into the data area. Returns bytes read.
+    fn read_ranges(&self, py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, u64)>) -> PyResult<u64> {
+        self.read_data_ranges(py, ranges)
     }
 
     /// Tensor `name` whole (or `[indices]` when they cover it) for a device whose memory the host
@@ -443,23 +336,13 @@ impl Handle {
         bounds: &str,
     ) -> PyResult<Option<Py<PyAny>>> {
         let source = self.source()?;
-        let info = source.tensor(name).map_err(to_py)?;
-        if let Some(key) = key {
-            let plan = slice_plan(info, &key, bounds)?;
-            if !covers(&plan, info) {
-                return Ok(None);
-            }
-        }
-        let Some(ahead) = self.ahead(&source, true) else {
-            return Ok(None);
-        };
-        if ahead.mode() != Mode::Provided {
+        let info = source.tensor(name)?;
+        if let Some(key) = key
+            && !covers(&slice_plan(info, &key, bounds)?, info)
+        {
             return Ok(None);
         }
-        let index = source.header.index_of(name).expect("found above");
-        provided::provide(py, ahead, index, &allocate)?;
-        let taken = detached(py, |poll| ahead.take(index, true, poll))?;
-        Ok(taken.and_then(|bytes| provided::tensor(py, &bytes)))
+        self.take_provided(py, &source, info, &allocate)
     }
 
     /// `tensor[key]`, `key` as `__getitem__` got it (ints, slices, `...`, a tuple of those),
@@ -474,77 +357,16 @@ impl Handle {
         bounds: &str,
     ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
         let source = self.source()?;
-        let info = source.tensor(name).map_err(to_py)?;
-        let plan = slice_plan(info, key, bounds)?;
-        if covers(&plan, info) {
-            // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
-            // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
-            let (_, code, shape, bytes) = self.whole(py, &source, info)?;
-            return Ok((code, shape, bytes));
-        }
-        // Part of a tensor the read-ahead already holds: cut from its bytes.
-        let held = match self.ahead.get() {
-            Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
-                let index = source.header.index_of(name).expect("found above");
-                detached(py, |poll| ahead.take(index, false, poll))?
-            }
-            _ => None,
-        };
-        let bytes = match (held, self.strategy()) {
-            (Some(whole), _) => gather(&plan, &whole)?,
-            (None, Strategy::Mmap) => {
-                let whole = source.map_tensor(info).map_err(to_py)?;
-                gather(&plan, &whole)?
-            }
-            _ => {
-                let opts = self.opts;
-                let s: &Source = &source;
-                let (bytes, report) = detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?;
-                self.record(&report);
-                bytes
-            }
-        };
-        Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
+        let info = source.tensor(name)?;
+        self.read_part(py, &source, info, slice_plan(info, key, bounds)?)
     }
-}
-
-/// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
-fn slice_plan(
-    info: &TensorInfo,
-    key: &Bound<'_, PyAny>,
-    bounds: &str,
-) -> PyResult<slice::SlicePlan> {
-    let indices = parse_key(key, info.shape.len())?;
-    slice::plan(info.dtype, &info.shape, &indices, parse_bounds(bounds)?).map_err(to_py)
-}
-
-fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
-    plan.shape == info.shape && plan.nbytes == info.nbytes()
-}
-
-/// The elements of `plan` cut out of a whole tensor's bytes, into new memory.
-fn gather(
-    plan: &slice::SlicePlan,
-    whole: &crate::buffer::TensorBytes,
-) -> PyResult<crate::buffer::TensorBytes> {
-    let mut out = crate::buffer::allocate(&[plan.nbytes])
-        .map_err(|e| {
-            to_py(Error::Memory(format!(
-                "cannot allocate {} bytes for a slice: {e}",
-                plan.nbytes
-            )))
-        })?
-        .pop()
-        .expect("one size, one buffer");
-    slice::gather(plan, whole.as_slice(), out.as_mut_slice());
-    Ok(out.into_shared())
 }
 
 /// Fraction of a file's bytes in the page cache (sampled with mincore), and its filesystem kind.
 #[pyfunction]
 pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     let open_err = |source| {
-        to_py(Error::Open {
+        PyErr::from(Error::Open {
             path: path.clone(),
             source,
         })

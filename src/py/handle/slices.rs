@@ -1,0 +1,92 @@
+//! Parts of a tensor from a `Handle` (`tensor[key]`): the key's plan, whether it covers the
+//! whole tensor, and the bytes cut from the read-ahead's, from the map, or read.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use super::Handle;
+use crate::buffer::{self, TensorBytes};
+use crate::error::Error;
+use crate::header::TensorInfo;
+use crate::py::args::{parse_bounds, parse_key};
+use crate::py::bytes::Bytes;
+use crate::py::errors::detached;
+use crate::readahead::Mode;
+use crate::slice;
+use crate::source::Source;
+use crate::storage::Strategy;
+
+impl Handle {
+    /// `read_slice`: (dtype, shape, bytes) of `plan` in tensor `info`, only the needed byte
+    /// ranges read.
+    pub(super) fn read_part(
+        &self,
+        py: Python<'_>,
+        source: &Arc<Source>,
+        info: &TensorInfo,
+        plan: slice::SlicePlan,
+    ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
+        if covers(&plan, info) {
+            // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
+            // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
+            let (_, code, shape, bytes) = self.whole(py, source, info)?;
+            return Ok((code, shape, bytes));
+        }
+        // Part of a tensor the read-ahead already holds: cut from its bytes.
+        let held = match self.ahead.get() {
+            Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
+                let index = source
+                    .header
+                    .index_of(&info.name)
+                    .expect("info comes from this header");
+                detached(py, |poll| ahead.take(index, false, poll))?
+            }
+            _ => None,
+        };
+        let bytes = match (held, self.strategy()) {
+            (Some(whole), _) => gather(&plan, &whole)?,
+            (None, Strategy::Mmap) => {
+                let whole = source.map_tensor(info)?;
+                gather(&plan, &whole)?
+            }
+            _ => {
+                let opts = self.opts;
+                let s: &Source = source;
+                let (bytes, report) = detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?;
+                self.record(&report);
+                bytes
+            }
+        };
+        Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
+    }
+}
+
+/// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
+pub(super) fn slice_plan(
+    info: &TensorInfo,
+    key: &Bound<'_, PyAny>,
+    bounds: &str,
+) -> PyResult<slice::SlicePlan> {
+    let indices = parse_key(key, info.shape.len())?;
+    slice::plan(info.dtype, &info.shape, &indices, parse_bounds(bounds)?).map_err(PyErr::from)
+}
+
+pub(super) fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
+    plan.shape == info.shape && plan.nbytes == info.nbytes()
+}
+
+/// The elements of `plan` cut out of a whole tensor's bytes, into new memory.
+fn gather(plan: &slice::SlicePlan, whole: &TensorBytes) -> PyResult<TensorBytes> {
+    let mut out = buffer::allocate(&[plan.nbytes])
+        .map_err(|e| {
+            PyErr::from(Error::Memory(format!(
+                "cannot allocate {} bytes for a slice: {e}",
+                plan.nbytes
+            )))
+        })?
+        .pop()
+        .expect("one size, one buffer");
+    slice::gather(plan, whole.as_slice(), out.as_mut_slice());
+    Ok(out.into_shared())
+}

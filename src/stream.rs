@@ -1,0 +1,154 @@
+//! A checkpoint streamed in batches: whole tensors in file order, at most `max_bytes` a batch
+//! (a larger tensor alone), the next batch read on a thread of its own while the caller uses the
+//! current one, so at most two batches are in memory. Dropping the stream stops the reader.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::buffer::TensorBytes;
+use crate::checkpoint::Checkpoint;
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+
+/// A tensor of a batch: name, dtype, shape, bytes.
+pub type Item = (String, Dtype, Vec<usize>, TensorBytes);
+
+/// How often a waiting caller looks at its `poll` (Ctrl-C).
+const POLL_EVERY: Duration = Duration::from_millis(50);
+
+pub struct Stream {
+    batches: Receiver<Result<Vec<Item>>>,
+    stop: Arc<AtomicBool>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Stream {
+    /// Starts reading the first batch of `ckpt` at once.
+    pub fn start(ckpt: Arc<Checkpoint>, max_bytes: u64) -> Stream {
+        // Capacity 0: the reader hands a batch over only when the caller asks, and then reads
+        // the next one while the caller works on it.
+        let (send, batches) = sync_channel(0);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let reader = std::thread::Builder::new()
+            .name("safeload-stream".into())
+            .spawn(move || {
+                let all: Vec<_> = ckpt.entries().collect();
+                for batch in Checkpoint::batches(&all, max_bytes.max(1)) {
+                    let mut poll = || stopped.load(Ordering::Relaxed);
+                    let read = ckpt.read(&batch, None, &mut poll).map(|(read, _)| {
+                        (batch.iter().zip(read))
+                            .map(|((_, t), (bytes, dtype))| {
+                                (t.name.clone(), dtype, t.shape.clone(), bytes)
+                            })
+                            .collect()
+                    });
+                    let failed = read.is_err();
+                    if send.send(read).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .expect("spawning the stream's reader thread");
+        Stream {
+            batches,
+            stop,
+            reader: Some(reader),
+        }
+    }
+
+    /// The next batch (None after the last), waiting for it; `poll` returning true while
+    /// waiting (Ctrl-C) stops the stream with [`Error::Cancelled`].
+    pub fn next(&self, poll: &mut dyn FnMut() -> bool) -> Option<Result<Vec<Item>>> {
+        loop {
+            match self.batches.recv_timeout(POLL_EVERY) {
+                Ok(batch) => return Some(batch),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) if poll() => {
+                    self.stop.store(true, Ordering::Relaxed);
+                    return Some(Err(Error::Cancelled));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Take what the reader is handing over, so it sees the stop flag and ends.
+        while self.batches.recv().is_ok() {}
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serialize;
+    use crate::source::ReadOptions;
+    use crate::storage::Backend;
+
+    #[test]
+    fn batches_in_file_order_bounded_and_stoppable() {
+        let dir = std::env::temp_dir().join(format!("safeload-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.safetensors");
+        let data: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 100 * (i as usize + 1)]).collect();
+        let names: Vec<String> = (0..6).map(|i| format!("t{i}")).collect();
+        let mut specs: Vec<serialize::TensorIn<'_>> = Vec::new();
+        let shapes: Vec<Vec<usize>> = data.iter().map(|d| vec![d.len()]).collect();
+        for i in 0..6 {
+            specs.push(serialize::TensorIn {
+                name: &names[i],
+                dtype: Dtype::U8,
+                shape: &shapes[i],
+                data: &data[i],
+            });
+        }
+        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        let open = || {
+            Arc::new(
+                Checkpoint::open(
+                    std::slice::from_ref(&path),
+                    Backend::Pread,
+                    ReadOptions::default(),
+                )
+                .unwrap(),
+            )
+        };
+        let ckpt = open();
+        let stream = Stream::start(ckpt.clone(), 700);
+        let mut seen = Vec::new();
+        while let Some(batch) = stream.next(&mut || false) {
+            let batch = batch.unwrap();
+            let bytes: usize = batch.iter().map(|(_, _, _, b)| b.len()).sum();
+            assert!(bytes <= 700 || batch.len() == 1, "{bytes}");
+            for (name, _, _, b) in batch {
+                let i: usize = name[1..].parse().unwrap();
+                assert_eq!(b.as_slice(), &data[i][..]);
+                seen.push(i);
+            }
+        }
+        let mut by_offset = ckpt
+            .entries()
+            .map(|(_, t)| t.name[1..].parse().unwrap())
+            .collect::<Vec<usize>>();
+        assert_eq!(seen, std::mem::take(&mut by_offset));
+        assert_eq!(
+            ckpt.totals().bytes,
+            data.iter().map(|d| d.len() as u64).sum::<u64>()
+        );
+        // Dropped after one batch: the reader stops, nothing hangs.
+        let stream = Stream::start(open(), 100);
+        assert!(stream.next(&mut || false).unwrap().is_ok());
+        drop(stream);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
