@@ -53,7 +53,7 @@ def no_load_state_dict(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("load_state_dict called")
 
-    monkeypatch.setattr(sl._into, "_custom_loading", lambda m: False)
+    monkeypatch.setattr(sl._inplace, "_custom_loading", lambda m: False)
     return refuse
 
 

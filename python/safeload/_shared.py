@@ -1,6 +1,6 @@
 """Names that share memory (tied weights, views of one buffer): which tensors overlap, which name
 of each group is kept, and how the dropped ones count on load. One module for this bookkeeping,
-used by saving (``safeload.torch``) and by loading into a model (``_into``); names and behaviour
+used by saving (``safeload.torch``) and by loading into a model (``_inplace``); names and behaviour
 of ``safetensors.torch``'s helpers."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _checkpoint, _into
+from . import _checkpoint, _inplace
 from ._shared import (  # noqa: F401 (safetensors.torch has these names)
     _end_ptr,
     _filter_shared_not_shared,
@@ -18,9 +18,8 @@ from ._shared import (  # noqa: F401 (safetensors.torch has these names)
     storage_ptr,
     storage_size,
 )
-from ._frameworks import torch_dtype
 from ._open import DEFAULT_BACKEND, safe_open
-from ._safeload import TensorSpec, deserialize, serialize, serialize_file
+from ._safeload import DTYPES, TensorSpec, deserialize, serialize, serialize_file
 
 __all__ = [
     "load",
@@ -38,18 +37,11 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Element sizes of every torch dtype the format has (fp8/fp4 need torch >= 2.1 / 2.8).
-_SIZE: Dict[Any, int] = {}
-_TYPES: Dict[str, Any] = {}
-for _code in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C64",
-              "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0", "F4", "U64", "U32", "U16"):
-    try:
-        _dtype = torch_dtype(_code)
-    except Exception:
-        continue
-    _TYPES[_code] = _dtype
-    _SIZE[_dtype] = _dtype.itemsize
-del _code
+# safetensors.torch's tables, from the reader's one (DTYPES): format code -> torch dtype, for
+# the codes this torch has (fp8 / fp4 need torch >= 2.1 / 2.8), and each dtype's element size.
+_TYPES: Dict[str, Any] = {code: getattr(torch, names[0]) for code, names in DTYPES.items()
+                          if names[0] is not None and hasattr(torch, names[0])}
+_SIZE: Dict[Any, int] = {dtype: dtype.itemsize for dtype in _TYPES.values()}
 
 
 def _getdtype(dtype_str: str) -> Any:
@@ -188,7 +180,7 @@ def load_model(
     same strict errors. CPU parameters and buffers are read straight into (no new memory, dtypes
     converted on the way, storages unchanged); a model that loads its state its own way (hooks,
     a custom ``_load_from_state_dict``) goes through ``load_state_dict``."""
-    direct = _into.load_model_into(model, filename, strict, backend=backend)
+    direct = _inplace.load_model_into(model, filename, strict, backend=backend)
     if direct is not None:
         missing, unexpected = direct
     else:
@@ -237,8 +229,8 @@ def load_checkpoint(
 def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **kwargs: Any) -> Any:
     """Reads each named tensor of a checkpoint straight into the given tensor, in place
     (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache.
-    Returns the read's stats. See :mod:`safeload._into`."""
-    return _into.load_into(tensors, path_or_paths, **kwargs)
+    Returns the read's stats. See :mod:`safeload._inplace`."""
+    return _inplace.load_into(tensors, path_or_paths, **kwargs)
 
 
 def iter_checkpoint(path_or_paths: Any, device: Any = "cpu", **kwargs: Any) -> Iterable[Tuple[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from ._safeload import Checkpoint, SafetensorError
 #: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
 COPY_BATCH_BYTES = 256 << 20
 
-def _direct(t: Any, code: str, shape: List[int]) -> bool:
+def _in_place(t: Any, code: str, shape: List[int]) -> bool:
     """Whether the reader can fill ``t`` in place with a tensor of ``code`` and ``shape``."""
     return (t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse
             and (float_code(t.dtype) is not None and code in FLOAT_CODES.values()
@@ -77,7 +77,7 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
                                   f"the destination {list(t.shape)}")
     shared = _overlapping({n: t for n, t in tensors.items() if t.device.type == "cpu"})
     direct = [n for n, t in tensors.items()
-              if n not in shared and _direct(t, *infos[n])]
+              if n not in shared and _in_place(t, *infos[n])]
     ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct])
     taken = set(direct)
     rest = [n for n in tensors if n not in taken]
