@@ -64,6 +64,11 @@ def check_order(log):
 Info = collections.namedtuple("Info", "name dtype shape begin end")
 
 
+def plan_spans(infos, buffer_bytes):
+    """The reader's staging plan of ``infos`` (what ``staging_plan`` makes per file)."""
+    return _safeload.staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes)
+
+
 def check_plan(infos, buffer_bytes, fills):
     covered = {name: [] for name, _, _, b, e in infos}
     last_end = -1
@@ -108,7 +113,7 @@ def layouts(draw):
 @settings(max_examples=300, deadline=None)
 @given(layouts(), st.integers(1, 700))
 def test_plan_covers_every_byte_once(infos, buffer_bytes):
-    fills = _staging.plan_spans(infos, buffer_bytes)
+    fills = plan_spans(infos, buffer_bytes)
     check_plan(infos, buffer_bytes, fills)
     total = sum(e - b for _, _, _, b, e in infos)
     assert sum(f.length for f in fills) == total
@@ -119,7 +124,7 @@ def test_plan_covers_every_byte_once(infos, buffer_bytes):
 def test_plan_packs_small_and_splits_large():
     infos = [Info("a", "U8", [10], 0, 10), Info("b", "U8", [10], 10, 20), Info("c", "U8", [250], 20, 270),
              Info("z", "U8", [0], 270, 270), Info("d", "U8", [5], 300, 305)]
-    fills = _staging.plan_spans(infos, 100)
+    fills = plan_spans(infos, 100)
     assert [f.length for f in fills] == [100, 100, 75]
     assert fills[0].reads == [(0, 100, 0)]
     assert fills[0].copies == [("a", 0, 0, 10), ("b", 0, 10, 10), ("c", 0, 20, 80)]
@@ -127,9 +132,9 @@ def test_plan_packs_small_and_splits_large():
     assert fills[2].reads == [(200, 70, 0), (300, 5, 70)]  # gap: a second read, same buffer
     assert fills[2].copies == [("c", 180, 0, 70), ("d", 0, 70, 5)]
     assert fills[0].offset == 0 and fills[2].offset == 200
-    assert _staging.plan_spans([Info("z", "U8", [0], 0, 0)], 100) == []
+    assert plan_spans([Info("z", "U8", [0], 0, 0)], 100) == []
     with pytest.raises(ValueError):
-        _staging.plan_spans(infos, 0)
+        plan_spans(infos, 0)
 
 
 def test_parse_ring_and_env(monkeypatch):

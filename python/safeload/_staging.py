@@ -1,8 +1,8 @@
 """Accelerator loads through a ring of host staging buffers.
 
 CUDA: a few page-locked (pinned) host buffers, allocated once per load through torch (no CUDA
-toolkit at build time), are filled by the parallel pread engine (``Handle.read_into``) in offset
-order; each is drained by an asynchronous host-to-device copy on a dedicated stream into the
+toolkit at build time), are filled by the parallel pread engine (``Handle.read_ranges``, one call
+per fill) in offset order; each is drained by an asynchronous host-to-device copy on a dedicated stream into the
 destination tensors, which are all allocated up front. The next buffer fills while the previous
 one copies; a buffer is refilled only after an event says its copies are complete, and tensors are
 returned only once every copy is complete, so user code never sees partial data. Pinned memory in
@@ -16,8 +16,8 @@ complete (never mmap-backed).
 
 The parts are separate so the scheduling is tested byte for byte without a GPU:
 
-* :func:`plan_spans` (the Rust planner, `plan::staging_fills`): which bytes of the data area go through which fill, and where each
-  piece lands in which tensor;
+* the reader's plan (``staging_plan``: the wanted tensors, checked, and the fills: which bytes of
+  the data area go through which fill, and where each piece lands in which tensor);
 * a :class:`Sink` (where bytes go): :class:`CudaSink`, :class:`HostThenToSink`, and
   :class:`CpuSink` (plain memory; can defer its copies until ``wait`` to simulate an
   asynchronous device, and logs what happened, for the tests);
@@ -34,8 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import (STAGING_RING_ENV, Fill, Handle, TensorInfo, staging_fills, staging_plan,
-                        staging_ring)
+from ._safeload import STAGING_RING_ENV, Fill, Handle, TensorInfo, staging_plan, staging_ring
 from ._stats import StagingStats
 
 #: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216"; the ring's rule
@@ -47,12 +46,6 @@ Progress = Callable[[int, int], None]
 
 
 # -- plan -----------------------------------------------------------------------------------------
-
-
-def plan_spans(infos: Sequence[Any], buffer_bytes: int, source: int = 0) -> List[Fill]:
-    """The fills (``Fill``: source, reads, length, copies) that bring ``infos``' bytes (header
-    entries: name, begin, end) through staging buffers of ``buffer_bytes``: the reader's plan."""
-    return staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes, source)
 
 
 def _pow2ceil(n: int) -> int:
