@@ -149,6 +149,7 @@ mod tests {
         let stream = Stream::start(open(), 100);
         assert!(stream.next(&mut || false).unwrap().is_ok());
         drop(stream);
+        drop(ckpt); // Windows deletes no open file
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
