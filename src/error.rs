@@ -48,6 +48,9 @@ pub enum Error {
     /// A load into new memory that would not fit what the process may still take (see
     /// [`crate::memory`]); the message is complete. Raised before anything is read.
     Memory(String),
+    /// An object in a store could not be opened or listed (a bad endpoint, a store that ignores
+    /// `Range`, an unknown storage option ...): the message names the URL and what the store said.
+    Remote(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -59,6 +62,18 @@ impl Error {
         Error::Header {
             path: path.map(Path::to_path_buf),
             reason,
+        }
+    }
+
+    /// An object in a store that cannot be read: a missing one or refused access as
+    /// [`Error::Open`] (FileNotFoundError, PermissionError), anything else as [`Error::Remote`].
+    pub fn remote(url: &Path, source: io::Error) -> Self {
+        match source.kind() {
+            io::ErrorKind::NotFound | io::ErrorKind::PermissionDenied => Error::Open {
+                path: url.to_path_buf(),
+                source,
+            },
+            _ => Error::Remote(source.to_string()),
         }
     }
 
@@ -111,7 +126,8 @@ impl fmt::Display for Error {
             | Error::Destination(message)
             | Error::Checkpoint(message)
             | Error::Prefetch(message)
-            | Error::Memory(message) => f.write_str(message),
+            | Error::Memory(message)
+            | Error::Remote(message) => f.write_str(message),
             Error::Cancelled => f.write_str("load cancelled"),
         }
     }

@@ -11,6 +11,7 @@ use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::{SafetensorError, detached, to_py};
+use super::remote::StorageOptions;
 use crate::checkpoint::{self, Entry, ReadStats};
 use crate::dtype::Dtype;
 use crate::error::Error;
@@ -65,7 +66,7 @@ impl Checkpoint {
 #[pymethods]
 impl Checkpoint {
     #[new]
-    #[pyo3(signature = (paths, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false))]
+    #[pyo3(signature = (paths, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
     fn new(
         py: Python<'_>,
         paths: Vec<PathBuf>,
@@ -73,11 +74,13 @@ impl Checkpoint {
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
         drop_cache: bool,
+        storage_options: Option<StorageOptions>,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
+        let store = storage_options.unwrap_or_default().0;
         let inner = py
-            .detach(|| checkpoint::Checkpoint::open(&paths, backend, opts))
+            .detach(|| checkpoint::Checkpoint::open_with(&paths, backend, opts, &store))
             .map_err(to_py)?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),

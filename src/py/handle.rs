@@ -159,7 +159,8 @@ impl Handle {
     /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
     /// whole-tensor reads then never read ahead.
     #[new]
-    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true))]
+    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -168,9 +169,13 @@ impl Handle {
         chunk_bytes: Option<usize>,
         drop_cache: bool,
         readahead: bool,
+        storage_options: Option<super::remote::StorageOptions>,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
-        let source = py.detach(|| Source::open(&path)).map_err(to_py)?;
+        let store = storage_options.unwrap_or_default().0;
+        let source = py
+            .detach(|| Source::open_with(&path, &store))
+            .map_err(to_py)?;
         Ok(Handle {
             source: RwLock::new(Some(Arc::new(source))),
             requested: backend,

@@ -11,6 +11,7 @@ mod errors;
 mod handle;
 mod prefetch;
 mod provided;
+mod remote;
 mod write;
 
 use pyo3::prelude::*;
@@ -74,6 +75,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
     m.add_function(wrap_pyfunction!(_set_cgroup_root, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::is_url, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::checkpoint_urls, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
