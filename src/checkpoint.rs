@@ -42,9 +42,19 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Opens every shard and indexes the tensors; a name in two shards is an error.
     pub fn open(paths: &[PathBuf], backend: Backend, opts: ReadOptions) -> Result<Checkpoint> {
+        Self::open_with(paths, backend, opts, &[])
+    }
+
+    /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`.
+    pub fn open_with(
+        paths: &[PathBuf],
+        backend: Backend,
+        opts: ReadOptions,
+        store: &crate::remote::Options,
+    ) -> Result<Checkpoint> {
         let shards = paths
             .iter()
-            .map(|p| Source::open(p))
+            .map(|p| Source::open_with(p, store))
             .collect::<Result<Vec<_>>>()?;
         let mut index = HashMap::new();
         for (s, shard) in shards.iter().enumerate() {

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::backing::Backing;
 use crate::buffer::Storage;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment, Transform};
@@ -21,10 +22,10 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Below this many bytes a plan is read on the calling thread.
 const INLINE_BYTES: u64 = 4 << 20;
 
-/// A file the plan reads from.
+/// A file (or an object in a store) the plan reads from.
 pub struct Input<'a> {
     pub path: &'a Path,
-    pub file: &'a File,
+    pub backing: &'a Backing,
     /// The same file opened to read around the page cache.
     pub direct: Option<&'a Uncached>,
 }
@@ -62,13 +63,15 @@ struct Files<'a> {
 impl<'a> Files<'a> {
     fn buffered(&mut self, i: usize) -> &File {
         let input = &self.inputs[i];
+        let shared = (input.backing.file())
+            .expect("a local input: objects in a store are read before any file is asked for");
         if !self.own_fds {
-            return input.file;
+            return shared;
         }
         if self.fds[i].is_none() {
             self.fds[i] = File::open(input.path).ok();
         }
-        self.fds[i].as_ref().unwrap_or(input.file)
+        self.fds[i].as_ref().unwrap_or(shared)
     }
 }
 
@@ -79,10 +82,17 @@ struct Worker<'a> {
     bounce: Option<Storage>,
     scratch: Vec<u8>,
     direct_refused: &'a AtomicBool,
+    /// Set when the read is stopped (Ctrl-C, another worker's error): remote reads give up.
+    stop: &'a AtomicBool,
 }
 
 impl<'a> Worker<'a> {
-    fn new(inputs: &'a [Input<'a>], own_fds: bool, direct_refused: &'a AtomicBool) -> Self {
+    fn new(
+        inputs: &'a [Input<'a>],
+        own_fds: bool,
+        direct_refused: &'a AtomicBool,
+        stop: &'a AtomicBool,
+    ) -> Self {
         Worker {
             files: Files {
                 inputs,
@@ -92,12 +102,23 @@ impl<'a> Worker<'a> {
             bounce: None,
             scratch: Vec::new(),
             direct_refused,
+            stop,
         }
     }
 
     fn read(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<()> {
         let input = &self.files.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
+        let to_error = |(done, source): (usize, io::Error)| Error::Read {
+            path: input.path.to_path_buf(),
+            tensor: plan.tensors[tensor_at(segments, done)].clone(),
+            offset: chunk.offset + done as u64,
+            source,
+        };
+        #[cfg(feature = "remote")]
+        if let Backing::Remote(object) = input.backing {
+            return self.read_remote(object, chunk, segments).map_err(to_error);
+        }
         let direct = input
             .direct
             .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
@@ -110,12 +131,32 @@ impl<'a> Worker<'a> {
             Some(done) => done,
             None => self.read_chunk(None, chunk, segments),
         };
-        result.map_err(|(done, source)| Error::Read {
-            path: input.path.to_path_buf(),
-            tensor: plan.tensors[tensor_at(segments, done)].clone(),
-            offset: chunk.offset + done as u64,
-            source,
-        })
+        result.map_err(to_error)
+    }
+
+    /// Reads one chunk of an object in a store: one ranged GET (resumed where it fails) straight
+    /// into the segments, or into the scratch buffer when a segment converts.
+    #[cfg(feature = "remote")]
+    fn read_remote(
+        &mut self,
+        object: &crate::remote::Object,
+        chunk: &Chunk,
+        segments: &[Segment],
+    ) -> IoResult {
+        if segments.iter().all(|s| s.transform == Transform::Copy) {
+            let mut dests: Vec<&mut [u8]> = segments
+                .iter()
+                // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+                .map(|s| unsafe { s.dest_mut() })
+                .collect();
+            return object.read_into(chunk.offset, &mut dests, self.stop);
+        }
+        if self.scratch.len() < chunk.len {
+            self.scratch.resize(chunk.len, 0);
+        }
+        let bytes = &mut self.scratch[..chunk.len];
+        object.read_into(chunk.offset, &mut [&mut *bytes], self.stop)?;
+        distribute(bytes, segments)
     }
 
     /// Reads one chunk: straight into its segments when nothing converts and the handle has no
@@ -249,8 +290,10 @@ pub fn execute(
         threads,
         direct_refused: direct_refused.load(Ordering::Relaxed),
     };
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
     if threads == 1 || plan.total_bytes() < INLINE_BYTES {
-        let mut worker = Worker::new(inputs, false, &direct_refused);
+        let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
         for chunk in &plan.chunks {
             if poll() {
                 return Err(Error::Cancelled);
@@ -260,8 +303,6 @@ pub fn execute(
         return Ok(report(1));
     }
 
-    let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     let finished = (Mutex::new(0usize), Condvar::new());
     let mut cancelled = false;
@@ -269,7 +310,7 @@ pub fn execute(
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
-                let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused);
+                let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused, &stop);
                 while !stop.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(chunk) = plan.chunks.get(i) else {
@@ -351,12 +392,12 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, File) {
+    fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, Backing) {
         let path =
             std::env::temp_dir().join(format!("safeload-engine-{}-{tag}", std::process::id()));
         File::create(&path).unwrap().write_all(bytes).unwrap();
         let file = File::open(&path).unwrap();
-        (path, file)
+        (path, Backing::File(file))
     }
 
     fn open_direct(path: &Path) -> Option<Uncached> {
@@ -399,7 +440,7 @@ mod tests {
             }
             let inputs = [Input {
                 path: &path,
-                file: &file,
+                backing: &file,
                 direct: if use_direct { direct.as_ref() } else { None },
             }];
             let report =
@@ -433,7 +474,7 @@ mod tests {
             plan.add(0, 50, second.as_mut_slice(), "second");
             let inputs = [Input {
                 path: &path,
-                file: &file,
+                backing: &file,
                 direct,
             }];
             let err = execute(&inputs, &plan, settings(1), &mut || false)
@@ -455,7 +496,7 @@ mod tests {
         plan.add(0, 0, bufs[0].as_mut_slice(), "t");
         let inputs = [Input {
             path: &path,
-            file: &file,
+            backing: &file,
             direct: None,
         }];
         let err = execute(&inputs, &plan, settings(1), &mut || true).unwrap_err();

@@ -56,6 +56,9 @@ pub enum Error {
     /// An argument the reader cannot take (a backend, a dtype name, a count); the message is
     /// complete.
     Argument(String),
+    /// An object in a store could not be opened or listed (a bad endpoint, a store that ignores
+    /// `Range`, an unknown storage option ...): the message names the URL and what the store said.
+    Remote(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
@@ -67,6 +70,18 @@ impl Error {
         Error::Header {
             path: path.map(Path::to_path_buf),
             reason,
+        }
+    }
+
+    /// An object in a store that cannot be read: a missing one or refused access as
+    /// [`Error::Open`] (FileNotFoundError, PermissionError), anything else as [`Error::Remote`].
+    pub fn remote(url: &Path, source: io::Error) -> Self {
+        match source.kind() {
+            io::ErrorKind::NotFound | io::ErrorKind::PermissionDenied => Error::Open {
+                path: url.to_path_buf(),
+                source,
+            },
+            _ => Error::Remote(source.to_string()),
         }
     }
 
@@ -121,7 +136,8 @@ impl fmt::Display for Error {
             | Error::Checkpoint(message)
             | Error::Prefetch(message)
             | Error::Memory(message)
-            | Error::Argument(message) => f.write_str(message),
+            | Error::Argument(message)
+            | Error::Remote(message) => f.write_str(message),
             Error::Closed(what) => write!(f, "{what} is closed"),
             Error::Cancelled => f.write_str("load cancelled"),
         }

@@ -9,6 +9,7 @@
 //! (`cargo clippy --features python`); without it, code only the binding calls looks unused.
 #![cfg_attr(not(feature = "python"), allow(dead_code))]
 
+mod backing;
 mod buffer;
 mod checkpoint;
 mod convert;
@@ -22,6 +23,7 @@ mod platform;
 mod pool;
 mod prefetch;
 mod readahead;
+mod remote;
 mod serialize;
 mod shares;
 mod slice;

@@ -11,16 +11,18 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
 from ._open import resolve_backend
-from ._safeload import Checkpoint, SafetensorError
+from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url
 
 Progress = Callable[[int, int], None]
 
 
-def resolve(path_or_paths: Any) -> List[str]:
-    """The shard files of a checkpoint, in a stable order."""
+def resolve(path_or_paths: Any, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
+    """The shard files of a checkpoint, in a stable order (URLs: resolved in Rust)."""
     if isinstance(path_or_paths, (list, tuple)):
         return [os.fspath(p) for p in path_or_paths]
     path = os.fspath(path_or_paths)
+    if isinstance(path, str) and is_url(path):
+        return checkpoint_urls(path, storage_options)
     if os.path.isdir(path):
         indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
         if indexes:
@@ -70,6 +72,7 @@ def load_checkpoint(
     progress: Any = None,
     return_stats: bool = False,
     dtype: Any = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
 
@@ -78,8 +81,8 @@ def load_checkpoint(
     ``progress``: a callable ``(bytes_done, bytes_total)``, True for a tqdm bar (streams in
     batches to report), False for none; by default a bar is shown for multi-shard checkpoints
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
-    :class:`Stats`."""
-    paths = resolve(path_or_paths)
+    :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
+    paths = resolve(path_or_paths, storage_options)
     if progress is None:
         progress = _wants_bar(paths) or None
     elif progress is False:
@@ -93,7 +96,8 @@ def load_checkpoint(
             paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
             progress=callback)
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
-        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                          storage_options=storage_options)
         try:
             if progress is not None and dtype is None:  # in batches, to report
                 for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
@@ -156,14 +160,15 @@ def iter_checkpoint(
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
     progress: Any = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Iterator[Tuple[str, Any]]:
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
     into a model tensor by tensor."""
-    paths = resolve(path_or_paths)
+    paths = resolve(path_or_paths, storage_options)
     convert, _ = _converter(framework, device)
     ckpt = Checkpoint(paths, resolve_backend(backend), threads=threads, chunk_bytes=chunk_bytes,
-                      drop_cache=drop_cache)
+                      drop_cache=drop_cache, storage_options=storage_options)
     try:
         yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))
     finally:

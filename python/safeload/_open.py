@@ -50,6 +50,8 @@ class safe_open:
             ``$SAFELOAD_BACKEND`` replaces the default.
         threads, chunk_bytes: tuning of the parallel reader.
         drop_cache: drop the file's pages from the page cache after each read.
+        storage_options: for URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``), the store's
+            settings over the environment's (fsspec / obstore keys; see README, Object storage).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class safe_open:
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         drop_cache: bool = False,
+        storage_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         if isinstance(filename, bytes) or not isinstance(filename, (str, os.PathLike)):
             raise TypeError(
@@ -78,6 +81,7 @@ class safe_open:
             threads=threads,
             chunk_bytes=chunk_bytes,
             drop_cache=drop_cache,
+            storage_options=storage_options,
         )
         if device_name != "cpu" and self._framework not in ("pytorch", "paddle"):
             self._handle.close()

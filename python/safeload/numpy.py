@@ -66,7 +66,8 @@ def load(data: bytes) -> Dict[str, np.ndarray]:
     return {name: to_numpy(v["dtype"], v["shape"], v["data"], name) for name, v in deserialize(data)}
 
 
-def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: str = DEFAULT_BACKEND) -> Dict[str, np.ndarray]:
+def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: str = DEFAULT_BACKEND,
+              storage_options: Optional[Dict[str, Any]] = None) -> Dict[str, np.ndarray]:
     """Loads every array of ``filename`` (in parallel, into memory each array owns)."""
-    with safe_open(filename, framework="np", backend=backend) as f:
+    with safe_open(filename, framework="np", backend=backend, storage_options=storage_options) as f:
         return f.get_tensors()

@@ -148,11 +148,12 @@ def save_model(
 
 
 def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND,
-              dtype: Any = None) -> Dict[str, torch.Tensor]:
-    """Loads every tensor of ``filename`` (in parallel, into memory each tensor owns).
+              dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
+    """Loads every tensor of ``filename`` (a path or a URL; in parallel, into memory each tensor
+    owns). ``storage_options``: see :func:`safeload.safe_open`.
     ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on the
     way, bit-exact with ``tensor.to(dtype)``."""
-    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+    with safe_open(filename, framework="pt", device=device, backend=backend, storage_options=storage_options) as f:
         return f.get_tensors(dtype=dtype) if dtype is not None else f.get_tensors()
 
 

@@ -13,6 +13,7 @@ use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::detached;
 use super::info::Info;
+use super::remote::StorageOptions;
 use super::shares::{self, Share};
 use super::stats::Stats;
 use super::stream::Stream;
@@ -54,7 +55,7 @@ impl Checkpoint {
 #[pymethods]
 impl Checkpoint {
     #[new]
-    #[pyo3(signature = (paths, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false))]
+    #[pyo3(signature = (paths, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
     fn new(
         py: Python<'_>,
         paths: Vec<PathBuf>,
@@ -62,10 +63,13 @@ impl Checkpoint {
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
         drop_cache: bool,
+        storage_options: Option<StorageOptions>,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
-        let inner = py.detach(|| checkpoint::Checkpoint::open(&paths, backend, opts))?;
+        let store = storage_options.unwrap_or_default().0;
+        let inner =
+            py.detach(|| checkpoint::Checkpoint::open_with(&paths, backend, opts, &store))?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),
         })

@@ -213,12 +213,12 @@ impl Shared {
     /// cache; 16 MiB at a time, until stopped. Errors (a file cut short) are left to the touch.
     pub(super) fn populate(&self, begin: usize, end: usize) {
         let source = &*self.source;
-        let Ok(span) = source.map_span(begin, end) else {
+        let (Ok(span), Some(file)) = (source.map_span(begin, end), source.backing.file()) else {
             return;
         };
         // The whole range is queued first, so the disk reads ahead of the waits below.
         let data_start = source.header.data_start();
-        platform::prefetch(&source.file, data_start + begin as u64, span.len() as u64);
+        platform::prefetch(file, data_start + begin as u64, span.len() as u64);
         let mut at = 0usize;
         while at < span.len() && !self.stop.load(Ordering::Relaxed) {
             let len = (PREFETCH_BYTES as usize).min(span.len() - at);
@@ -227,7 +227,7 @@ impl Shared {
             let populated =
                 std::ptr::NonNull::new(ptr).is_some_and(|p| platform::populate_mapped(p, len));
             if !populated {
-                platform::prefetch(&source.file, data_start + (begin + at) as u64, len as u64);
+                platform::prefetch(file, data_start + (begin + at) as u64, len as u64);
             }
             at += len;
         }

@@ -6,16 +6,19 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+
+pub use crate::backing::Backing;
 use std::sync::{Arc, OnceLock};
 
 use crate::buffer::{self, Storage, TensorBytes};
 use crate::engine::{self, Input, Settings};
 use crate::error::{Error, Result};
 use crate::header::{self, Header, TensorInfo};
-use crate::platform::{self, Uncached, read_fully_at};
+use crate::platform::{self, Uncached};
 use crate::storage::{self, Backend, FsKind, Strategy};
 
 mod ranges;
+mod remote;
 mod tensors;
 
 // Only the binding reads spans into its own memory (see the crate's dead-code note).
@@ -35,8 +38,9 @@ pub struct ReadOptions {
 }
 
 pub struct Source {
+    /// The file's path, or the object's URL.
     pub path: PathBuf,
-    pub file: File,
+    pub backing: Backing,
     pub file_len: u64,
     pub header: Header,
     pub kind: FsKind,
@@ -47,6 +51,15 @@ pub struct Source {
 impl Source {
     /// Opens `path` and validates its header; nothing is allocated from header fields before that.
     pub fn open(path: &Path) -> Result<Source> {
+        Self::open_with(path, &[])
+    }
+
+    /// [`Source::open`] of a path or a URL (`s3://`, `gs://`, `az://`, `http(s)://`: see
+    /// `remote`), with the store's `storage_options` (ignored for paths).
+    pub fn open_with(path: &Path, options: &crate::remote::Options) -> Result<Source> {
+        if crate::remote::is_url(path) {
+            return Self::open_remote(path, options);
+        }
         let open_err = |source| Error::Open {
             path: path.to_path_buf(),
             source,
@@ -62,10 +75,10 @@ impl Source {
         let file_len = meta.len();
         let header_err = |reason| Error::header(Some(path), reason);
         let mut prefix = [0u8; 8];
-        let got = read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
+        let got = platform::read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
         let json_len = header::header_len(&prefix[..got], file_len).map_err(header_err)?;
         let mut json = vec![0u8; json_len as usize];
-        let got = read_fully_at(&file, &mut json, 8).map_err(open_err)?;
+        let got = platform::read_fully_at(&file, &mut json, 8).map_err(open_err)?;
         if got < json.len() {
             return Err(header_err(header::HeaderError::InvalidHeaderLength));
         }
@@ -73,7 +86,7 @@ impl Source {
         Ok(Source {
             path: path.to_path_buf(),
             kind: FsKind::of(&file, path),
-            file,
+            backing: Backing::File(file),
             file_len,
             header,
             map: OnceLock::new(),
@@ -90,6 +103,10 @@ impl Source {
     /// [`Source::resolve`], with the page-cache residency "auto" measured for it (None when it
     /// was not measured or cannot be told), so a caller can reuse the one probe.
     pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
+        if self.backing.is_remote() {
+            // Objects in a store are read with ranged GETs, whatever was asked for.
+            return (Strategy::Pread, None);
+        }
         match backend {
             // Never a map on a network filesystem, even when asked for one: every fault would be
             // a small remote read, and a file that shrinks under a map kills the process. The
@@ -98,11 +115,9 @@ impl Source {
             Backend::Pread => (Strategy::Pread, None),
             Backend::Direct => (Strategy::Direct, None),
             Backend::Auto | Backend::Mmap => {
-                let cached = storage::cached_fraction(
-                    &self.file,
-                    self.header.data_start(),
-                    self.header.data_len(),
-                );
+                let cached = self.backing.file().and_then(|file| {
+                    storage::cached_fraction(file, self.header.data_start(), self.header.data_len())
+                });
                 let available = crate::memory::available();
                 let strategy = storage::choose(
                     self.kind,
@@ -133,7 +148,7 @@ impl Source {
     fn input(&self, strategy: Strategy) -> Input<'_> {
         Input {
             path: &self.path,
-            file: &self.file,
+            backing: &self.backing,
             direct: if strategy == Strategy::Direct {
                 self.direct_file()
             } else {
@@ -176,17 +191,18 @@ impl Source {
         if let Some(map) = self.map.get() {
             return Ok(map.clone());
         }
+        let open_err = |source| Error::Open {
+            path: self.path.clone(),
+            source,
+        };
+        let not_a_file =
+            || std::io::Error::new(std::io::ErrorKind::Unsupported, "not a local file");
+        let file = self.backing.file().ok_or_else(|| open_err(not_a_file()))?;
         // SAFETY: a private mapping; our writes never reach the file. Another process truncating
         // the file under the map is the documented risk of the mmap backend (SIGBUS).
-        let map =
-            unsafe { memmap2::MmapOptions::new().map_copy(&self.file) }.map_err(|source| {
-                Error::Open {
-                    path: self.path.clone(),
-                    source,
-                }
-            })?;
+        let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }.map_err(open_err)?;
         // Faults read ahead further (what safetensors 0.8 advises on its maps too).
-        platform::advise_sequential(&self.file);
+        platform::advise_sequential(file);
         Ok(self.map.get_or_init(|| Arc::new(Storage::Map(map))).clone())
     }
 
@@ -206,8 +222,11 @@ pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
         .iter()
         .map(|s| s.kind)
         .find(|k| matches!(k, FsKind::Network(_)));
-    opts.chunk_bytes
-        .unwrap_or_else(|| storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)))
+    let remote = sources.iter().any(|s| s.backing.is_remote());
+    opts.chunk_bytes.unwrap_or_else(|| match remote {
+        true => remote::CHUNK_BYTES,
+        false => storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)),
+    })
 }
 
 /// The workers a read of these sources runs: the caller's count, else one suited to the slowest
@@ -223,8 +242,13 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     let cores = engine::default_threads();
     Settings {
         threads: opts.threads.unwrap_or_else(|| {
+            if sources.iter().any(|s| s.backing.is_remote()) {
+                return remote::THREADS;
+            }
             let kind = network.map_or(FsKind::Local, |s| s.kind);
-            let in_flight = network.and_then(|s| platform::fuse_requests_in_flight(&s.file));
+            let in_flight = network
+                .and_then(|s| s.backing.file())
+                .and_then(platform::fuse_requests_in_flight);
             storage::threads_for(kind, cores, in_flight)
         }),
         own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,

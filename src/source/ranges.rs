@@ -6,7 +6,6 @@ use crate::engine::{self, Report};
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::plan::Plan;
-use crate::platform::read_fully_at;
 use crate::slice::SlicePlan;
 use crate::storage::Strategy;
 
@@ -83,7 +82,9 @@ impl Source {
                 span_end = next_end;
             }
             scratch.resize((span_end - start) as usize, 0);
-            let got = read_fully_at(&self.file, &mut scratch, start)
+            let got = self
+                .backing
+                .read_fully_at(&mut scratch, start)
                 .map_err(|e| self.read_err(info, e))?;
             if got < scratch.len() {
                 return Err(self.read_err(

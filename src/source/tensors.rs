@@ -70,7 +70,10 @@ pub fn read_targets(
     report.direct_refused |=
         strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
     if opts.drop_cache {
-        sources.iter().for_each(|s| storage::drop_cached(&s.file));
+        sources
+            .iter()
+            .filter_map(|s| s.backing.file())
+            .for_each(storage::drop_cached);
     }
     Ok(report)
 }

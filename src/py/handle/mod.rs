@@ -90,7 +90,8 @@ impl Handle {
     /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
     /// whole-tensor reads then never read ahead.
     #[new]
-    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true))]
+    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -99,9 +100,11 @@ impl Handle {
         chunk_bytes: Option<usize>,
         drop_cache: bool,
         readahead: bool,
+        storage_options: Option<super::remote::StorageOptions>,
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
-        let source = py.detach(|| Source::open(&path))?;
+        let store = storage_options.unwrap_or_default().0;
+        let source = py.detach(|| Source::open_with(&path, &store))?;
         let opts = options(threads, chunk_bytes, drop_cache);
         Ok(Handle {
             chunk_bytes: source::chunk_bytes(&[&source], &opts),

@@ -1,0 +1,199 @@
+"""Loading checkpoints from object storage, every server started here on loopback: safeload from
+``s3://`` (``rclone serve s3``) and ``http://`` (tests/support/range_server.py, with and without
+added latency per request) against boto3 ``get_object`` / urllib + ``safetensors.torch.load``,
+Run:ai's streamer (when installed), and many parallel raw range GETs by ``curl --parallel``
+(the server's own limit). Fresh processes, contenders interleaved, medians of ``--rounds``;
+peak RSS beside each rate.
+
+    python benches/remote.py [--sizes 0.5,2.5] [--rounds 3] [--latency 0,0.005] [--contenders 'sl_*,boto3']
+
+0.5: a Llama-shaped BF16 sample written to --data-dir; 2.5: --full (default
+/work/main/bench-data/full/llama/model.safetensors, read only). The files are served through
+symlinks; nothing is written next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
+sys.path.insert(0, HERE)
+GIB = 1 << 30
+CHUNK = 16 << 20
+PARALLEL = 32
+
+
+def _maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load(spec: Dict[str, Any]) -> int:
+    """One load of the contender; returns the bytes of tensor data it holds."""
+    name, url, s3 = spec["contender"], spec["url"], spec["s3"]
+    if name.startswith("sl_"):
+        import safeload
+
+        options = s3["options"] if url.startswith("s3://") else None
+        tuning = {"threads": spec.get("threads"), "chunk_bytes": spec.get("chunk_bytes")}
+        with safeload.safe_open(url, "pt", storage_options=options, **tuning) as f:
+            out = f.get_tensors()
+        return sum(t.nbytes for t in out.values())
+    if name == "boto3":
+        import boto3
+        import safetensors.torch
+
+        client = boto3.client("s3", endpoint_url=s3["endpoint"], aws_access_key_id=s3["key"],
+                              aws_secret_access_key=s3["secret"], region_name="us-east-1")
+        bucket, key = url[len("s3://"):].split("/", 1)
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        out = safetensors.torch.load(data)
+        return sum(t.nbytes for t in out.values())
+    if name == "urllib":
+        import urllib.request
+
+        import safetensors.torch
+
+        with urllib.request.urlopen(url) as r:
+            out = safetensors.torch.load(r.read())
+        return sum(t.nbytes for t in out.values())
+    if name == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        os.environ.update({"AWS_ENDPOINT_URL": s3["endpoint"], "AWS_ACCESS_KEY_ID": s3["key"],
+                           "AWS_SECRET_ACCESS_KEY": s3["secret"], "AWS_REGION": "us-east-1",
+                           "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"})
+        total = 0
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(url)
+            for _, tensor in streamer.get_tensors():
+                total += tensor.clone().nbytes
+        return total
+    if name == "curl":  # the server's limit: parallel range GETs into /dev/null
+        size = spec["size"]
+        each = ["-sf"]
+        if url.startswith("s3://"):
+            each += ["--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{s3['key']}:{s3['secret']}"]
+            url = f"{s3['endpoint']}/{url[len('s3://'):]}"
+        cmd = ["curl", "--parallel", "--parallel-max", str(PARALLEL)]
+        for begin in range(0, size, CHUNK):  # --next: options apply per transfer
+            cmd += [*each, "-r", f"{begin}-{min(size, begin + CHUNK) - 1}", "-o", "/dev/null", url, "--next"]
+        cmd.pop()
+        subprocess.run(cmd, check=True)
+        return size
+    raise SystemExit(f"unknown contender {name}")
+
+
+def worker(arg: str) -> None:
+    spec = json.loads(arg)
+    import torch  # noqa: F401  (every contender but curl holds torch; its import is not the load's memory)
+
+    before = _maxrss_mib()
+    t0 = time.perf_counter()
+    nbytes = _load(spec)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "bytes": nbytes, "rss_mib": _maxrss_mib(), "rss_growth_mib": _maxrss_mib() - before}))
+
+
+def _sample(data_dir: str) -> str:
+    """The 0.5 GiB Llama-shaped BF16 sample (written once)."""
+    path = os.path.join(data_dir, "llama-0.5.safetensors")
+    if not os.path.exists(path):
+        from bench import _llama_like, _save, _tiles
+
+        os.makedirs(data_dir, exist_ok=True)
+        _save(_llama_like(1024, 2816, 16, 32000), path, _tiles(), seed0=1)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="0.5,2.5")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--latency", default="0,0.005", help="seconds added per request by the HTTP server")
+    p.add_argument("--contenders", default="*")
+    p.add_argument("--data-dir", default=os.path.join(HERE, "..", "bench-data", "remote"))
+    p.add_argument("--full", default="/work/main/bench-data/full/llama/model.safetensors")
+    p.add_argument("--sweep", action="store_true", help="safeload only: threads 16/32/64 x chunks 8/16/32 MiB")
+    p.add_argument("--worker")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.worker)
+
+    from range_server import __file__ as range_server_py
+    from s3_server import KEY, SECRET, S3Server
+
+    files = {"0.5": _sample(args.data_dir), "2.5": args.full}
+    root = tempfile.mkdtemp(prefix="safeload-remote-")
+    os.makedirs(os.path.join(root, "bench"))
+    for size in args.sizes.split(","):
+        os.symlink(os.path.abspath(files[size]), os.path.join(root, "bench", f"{size}.safetensors"))
+    s3 = S3Server(root, extra=["--copy-links"], dir_cache="1h")
+    s3_info = {"endpoint": s3.url, "key": KEY, "secret": SECRET, "options": s3.options()}
+    http: Dict[str, Any] = {}
+    for latency in args.latency.split(","):
+        proc = subprocess.Popen([sys.executable, range_server_py, root, "--latency", latency],
+                                stdout=subprocess.PIPE, text=True)
+        http[latency] = (proc, proc.stdout.readline().strip())  # type: ignore[union-attr]
+    try:
+        import importlib.util
+
+        names = ["sl_s3", "boto3", "curl_s3", "sl_http", "urllib", "curl_http"]
+        if importlib.util.find_spec("runai_model_streamer"):
+            names.insert(2, "runai")
+        names = [n for n in names if any(fnmatch.fnmatch(n, pat) for pat in args.contenders.split(","))]
+        tunings: List[Dict[str, Any]] = [{}]
+        if args.sweep:
+            names = [n for n in names if n.startswith("sl_")]
+            tunings = [{"threads": t, "chunk_bytes": c << 20} for t in (16, 32, 64) for c in (8, 16, 32)]
+        rows: Dict[tuple, List[Dict[str, Any]]] = {}
+        for size in args.sizes.split(","):
+            nbytes = os.path.getsize(files[size])
+            for r in range(args.rounds):
+                for latency in args.latency.split(","):
+                    for name, tuning in [(n, t) for n in names for t in tunings]:
+                        s3_side = name in ("sl_s3", "boto3", "curl_s3", "runai")
+                        if s3_side and latency != args.latency.split(",")[0]:
+                            continue  # rclone adds no latency: S3 contenders run once per round
+                        base = "s3://bench" if s3_side else f"{http[latency][1]}/bench"
+                        spec = {"contender": name.replace("_s3", "").replace("_http", "") if name.startswith("curl") else name,
+                                "url": f"{base}/{size}.safetensors", "s3": s3_info, "size": nbytes, **tuning}
+                        label = name + (f" {tuning['threads']}x{tuning['chunk_bytes'] >> 20}MiB" if tuning else "")
+                        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                             capture_output=True, text=True, timeout=1800)
+                        if out.returncode != 0:
+                            print(f"{label} {size} failed: {out.stderr[-500:]}", file=sys.stderr)
+                            continue
+                        result = json.loads(out.stdout.strip().splitlines()[-1])
+                        key = (size, "-" if s3_side else latency, label)
+                        rows.setdefault(key, []).append(result)
+                        rate = result["bytes"] / result["seconds"] / GIB
+                        print(f"  round {r + 1} {size} GiB lat {key[1]} {label}: {rate:.2f} GiB/s, "
+                              f"peak RSS {result['rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+        print("| file | added latency | contender | GiB/s (median) | peak RSS MiB | RSS growth MiB |")
+        print("|---|---|---|---|---|---|")
+        for (size, latency, name), results in rows.items():
+            rate = statistics.median(x["bytes"] / x["seconds"] / GIB for x in results)
+            rss = statistics.median(x["rss_mib"] for x in results)
+            growth = statistics.median(x["rss_growth_mib"] for x in results)
+            lat = latency if latency == "-" else f"{float(latency) * 1000:.0f} ms"
+            print(f"| {size} GiB | {lat} | {name} | {rate:.2f} | {rss:.0f} | {growth:.0f} |")
+    finally:
+        s3.stop()
+        for proc, _ in http.values():
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()

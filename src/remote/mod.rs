@@ -1,0 +1,66 @@
+//! Objects in object storage (`s3://`, `gs://`, `az://`/`abfs://`, `http(s)://`) as something a
+//! [`crate::source::Source`] reads from: ranged GETs through Apache Arrow's `object_store`.
+//!
+//! Here: which paths are URLs (always built, so a build without the `remote` feature can say so);
+//! the stores and their runtime in `store`, their HTTP client in `connector`, one object's reads (retries, resumes) in `object`,
+//! checkpoints named by URL (index.json, "directory" listings) in `listing`.
+
+use std::path::Path;
+
+#[cfg(feature = "remote")]
+mod connector;
+#[cfg(feature = "remote")]
+mod listing;
+#[cfg(feature = "remote")]
+mod object;
+#[cfg(feature = "remote")]
+mod store;
+
+#[cfg(feature = "remote")]
+#[cfg_attr(not(feature = "python"), allow(unused_imports))]
+pub use listing::checkpoint_urls;
+#[cfg(feature = "remote")]
+pub use object::Object;
+
+/// `storage_options`: (key, value) pairs, fsspec / obstore style, applied over the environment.
+pub type Options = [(String, String)];
+
+/// URL schemes read from object storage.
+const SCHEMES: [&str; 9] = [
+    "s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https",
+];
+
+/// Whether `path` names an object by URL rather than a local file.
+pub fn is_url(path: &Path) -> bool {
+    path.to_str()
+        .and_then(|s| s.split_once("://"))
+        .is_some_and(|(scheme, _)| SCHEMES.contains(&scheme.to_ascii_lowercase().as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_paths() {
+        for url in [
+            "s3://b/k.safetensors",
+            "gs://b/k",
+            "az://c/k",
+            "abfs://c/k",
+            "https://h/x",
+            "HTTP://h/x",
+        ] {
+            assert!(is_url(Path::new(url)), "{url}");
+        }
+        for path in [
+            "model.safetensors",
+            "/tmp/s3://x",
+            "file:///tmp/x",
+            "s3:/x",
+            "./http",
+        ] {
+            assert!(!is_url(Path::new(path)), "{path}");
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! One object in a store: its size and a prefix from one ranged GET at open, then ranged GETs
+//! straight into the caller's memory, retried from the byte where a failed or stalled response
+//! stopped. Every call blocks on the crate's runtime (the engine's workers are plain threads).
+
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures_util::StreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, GetRange, ObjectStore};
+
+use super::{Options, store};
+
+/// Bytes asked for at open: the 8-byte length and, for most files, the whole JSON header.
+const PROBE_BYTES: u64 = 1 << 16;
+/// A response body that sends nothing for this long has stalled.
+const STALL: std::time::Duration = std::time::Duration::from_secs(30);
+/// Attempts at one range: `object_store` retries requests and resumes bodies itself (where the
+/// server sends an ETag); one more request from the first missing byte covers the rest.
+const ATTEMPTS: usize = 2;
+
+pub struct Object {
+    store: Arc<dyn ObjectStore>,
+    location: ObjectPath,
+    url: String,
+    size: u64,
+}
+
+impl std::fmt::Debug for Object {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Object({}, {} bytes)", self.url, self.size)
+    }
+}
+
+/// On failure: how many bytes were read into the destinations before the error, and the error.
+pub type Partial = (usize, io::Error);
+
+impl Object {
+    /// Opens `url`: one GET of its first bytes gives the object's size and its start.
+    pub fn open(url: &str, options: &Options) -> io::Result<(Object, Vec<u8>)> {
+        let (store, location) = store::resolve(url, options)?;
+        let get = GetOptions {
+            range: Some(GetRange::Bounded(0..PROBE_BYTES)),
+            ..GetOptions::default()
+        };
+        let result = store::runtime()
+            .block_on(async {
+                let got = store.get_opts(&location, get).await?;
+                let size = got.meta.size;
+                Ok::<_, object_store::Error>((size, got.bytes().await?))
+            })
+            .map_err(|e| to_io(url, e))?;
+        let (size, prefix) = result;
+        let object = Object {
+            store,
+            location,
+            url: url.to_string(),
+            size,
+        };
+        Ok((object, prefix.to_vec()))
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Fills `buf` from `offset` (short only at the object's end); for headers and slice rows.
+    pub fn read_fully_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let len = (buf.len() as u64).min(self.size.saturating_sub(offset)) as usize;
+        let stop = AtomicBool::new(false);
+        self.read_into(offset, &mut [&mut buf[..len]], &stop)
+            .map_err(|(_, e)| e)?;
+        Ok(len)
+    }
+
+    /// Fills `dests`, in order, with the bytes from `offset` on: one ranged GET, and on a failure
+    /// another from the first byte not yet received. Stops early (an `Interrupted` error) when
+    /// `stop` is set.
+    pub fn read_into(
+        &self,
+        offset: u64,
+        dests: &mut [&mut [u8]],
+        stop: &AtomicBool,
+    ) -> Result<(), Partial> {
+        let total: usize = dests.iter().map(|d| d.len()).sum();
+        let mut done = 0usize;
+        let mut attempt = 0;
+        while done < total {
+            let range = offset + done as u64..offset + total as u64;
+            match self.get_into(range, dests, &mut done, stop) {
+                Ok(()) => {}
+                Err(e)
+                    if retryable(&e) && attempt + 1 < ATTEMPTS && !stop.load(Ordering::Relaxed) =>
+                {
+                    attempt += 1;
+                }
+                Err(e) => return Err((done, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// One GET of `range`, its body copied into `dests` from `done` bytes on (advancing `done`).
+    fn get_into(
+        &self,
+        range: Range<u64>,
+        dests: &mut [&mut [u8]],
+        done: &mut usize,
+        stop: &AtomicBool,
+    ) -> io::Result<()> {
+        let want = range.end - range.start;
+        let get = GetOptions {
+            range: Some(GetRange::Bounded(range)),
+            ..GetOptions::default()
+        };
+        store::runtime().block_on(async {
+            let got = self.store.get_opts(&self.location, get).await;
+            let mut body = got.map_err(|e| to_io(&self.url, e))?.into_stream();
+            let mut received = 0u64;
+            while let Some(frame) = next_within(&mut body, &self.url).await? {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(io::Error::new(io::ErrorKind::Interrupted, "cancelled"));
+                }
+                let bytes = frame.map_err(|e| to_io(&self.url, e))?;
+                if received + bytes.len() as u64 > want {
+                    return Err(range_error(
+                        &self.url,
+                        "more bytes than the range asked for",
+                    ));
+                }
+                received += bytes.len() as u64;
+                copy_at(dests, *done, &bytes);
+                *done += bytes.len();
+            }
+            if received < want {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: response ended {} bytes early",
+                        self.url,
+                        want - received
+                    ),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    /// The whole object, for small ones (index.json).
+    pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
+        let (store, location) = store::resolve(url, options)?;
+        let bytes = store::runtime()
+            .block_on(async {
+                store
+                    .get_opts(&location, GetOptions::default())
+                    .await?
+                    .bytes()
+                    .await
+            })
+            .map_err(|e| to_io(url, e))?;
+        Ok(bytes.to_vec())
+    }
+}
+
+/// The next piece of a body; a body that sends nothing for [`STALL`] is an error (retried from
+/// the first byte not received).
+async fn next_within<S: futures_util::Stream + Unpin>(
+    body: &mut S,
+    url: &str,
+) -> io::Result<Option<S::Item>> {
+    tokio::time::timeout(STALL, body.next()).await.map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{url}: no bytes for {} s", STALL.as_secs()),
+        )
+    })
+}
+
+/// Copies `bytes` into the destinations, as if they were one buffer, from position `at`.
+fn copy_at(dests: &mut [&mut [u8]], mut at: usize, mut bytes: &[u8]) {
+    for dest in dests.iter_mut() {
+        if bytes.is_empty() {
+            return;
+        }
+        if at >= dest.len() {
+            at -= dest.len();
+            continue;
+        }
+        let n = (dest.len() - at).min(bytes.len());
+        dest[at..at + n].copy_from_slice(&bytes[..n]);
+        bytes = &bytes[n..];
+        at = 0;
+    }
+}
+
+/// Errors a new request may cure: dropped or stalled connections, short bodies, server errors
+/// (after `object_store`'s own retries). Not: missing objects, refused access, a server that
+/// ignores `Range`, cancellation.
+fn retryable(e: &io::Error) -> bool {
+    !matches!(
+        e.kind(),
+        io::ErrorKind::NotFound
+            | io::ErrorKind::PermissionDenied
+            | io::ErrorKind::InvalidData
+            | io::ErrorKind::InvalidInput
+            | io::ErrorKind::Interrupted
+    )
+}
+
+fn range_error(url: &str, what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!(
+            "{url}: the server does not honour Range requests ({what}); safeload reads objects in byte ranges"
+        ),
+    )
+}
+
+/// The store's error as an I/O error of the matching kind, naming the URL and what the store said.
+pub fn to_io(url: &str, e: object_store::Error) -> io::Error {
+    use object_store::Error as E;
+    let message = e.to_string();
+    let kind = match e {
+        E::NotFound { .. } => io::ErrorKind::NotFound,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
+        _ if message.contains("non-partial response")
+            || message.contains("Range request not supported")
+            || message.contains("Content-Range")
+            || message.contains("CONTENT_RANGE")
+            || (message.contains("Requested ") && message.contains(", got ")) =>
+        {
+            return range_error(url, &message);
+        }
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, format!("{url}: {message}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_at_spans_destinations() {
+        let (mut a, mut b, mut c) = ([0u8; 3], [0u8; 0], [0u8; 4]);
+        let mut dests: Vec<&mut [u8]> = vec![&mut a, &mut b, &mut c];
+        copy_at(&mut dests, 0, &[1, 2]);
+        copy_at(&mut dests, 2, &[3, 4, 5]);
+        copy_at(&mut dests, 5, &[6, 7]);
+        assert_eq!((a, c), ([1, 2, 3], [4, 5, 6, 7]));
+    }
+}

@@ -1,0 +1,177 @@
+//! Stores by URL: `object_store` clients configured from the environment (as AWS, Google and
+//! Azure users write it) and `storage_options`, built once per bucket or host and options, and
+//! the tokio runtime every request runs on (owned by the crate, started on first use).
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::http::HttpBuilder;
+use object_store::path::Path as ObjectPath;
+use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
+use url::Url;
+
+use super::Options;
+use super::connector::Connector;
+
+/// The runtime the stores' requests run on. The engine's worker threads block on it
+/// (`block_on`), so it only drives connections: one thread per core, 2-8.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)))
+            .thread_name("safeload-io")
+            .enable_all()
+            .build()
+            .expect("a tokio runtime (threads and an I/O driver)")
+    })
+}
+
+/// The store serving `url` and the object's path in it; stores are kept for the process, one per
+/// scheme, bucket (or host) and options, so shards and later loads reuse their connections.
+pub fn resolve(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
+    let parsed = Url::parse(url).map_err(|e| invalid(format!("{url}: not a URL ({e})")))?;
+    let (scheme, path) =
+        ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;
+    let base = &parsed[..url::Position::BeforePath];
+    let options = remembered(base, options);
+    let mut key = base.to_string();
+    for (k, v) in &options {
+        key.push_str(&format!("\n{k}={v}"));
+    }
+    static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
+    let stores = STORES.get_or_init(Default::default);
+    if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok((store.clone(), path));
+    }
+    let store = build(scheme, base, &options).map_err(|e| invalid(format!("{url}: {e}")))?;
+    stores
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, store.clone());
+    Ok((store, path))
+}
+
+/// The options to use for a bucket (or host): those given, remembered for later opens of it
+/// that give none (the shards a resolved checkpoint names, reads on devices, other processes'
+/// helpers); else the ones last given for it; else none (the environment alone).
+fn remembered(base: &str, options: &Options) -> Pairs {
+    static GIVEN: OnceLock<Mutex<HashMap<String, Pairs>>> = OnceLock::new();
+    let mut given = GIVEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if options.is_empty() {
+        return given.get(base).cloned().unwrap_or_default();
+    }
+    given.insert(base.to_string(), options.to_vec());
+    options.to_vec()
+}
+
+fn invalid(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, message)
+}
+
+type Pairs = Vec<(String, String)>;
+type Built = Result<Arc<dyn ObjectStore>, String>;
+
+/// A store from its builder: the URL, the HTTP client, retries, then the options.
+macro_rules! store {
+    ($builder:expr, $base:expr, $options:expr) => {{
+        let b = ($builder)
+            .with_url($base)
+            .with_http_connector(Connector)
+            .with_retry(retry());
+        let b = apply(b, $options, |b, k, v| Ok(b.with_config(k.parse()?, v)))?;
+        Ok(Arc::new(b.build().map_err(|e| e.to_string())?))
+    }};
+}
+
+fn build(scheme: ObjectStoreScheme, base: &str, options: &Options) -> Built {
+    match scheme {
+        ObjectStoreScheme::AmazonS3 => s3(base, options),
+        ObjectStoreScheme::GoogleCloudStorage => {
+            store!(GoogleCloudStorageBuilder::from_env(), base, options)
+        }
+        ObjectStoreScheme::MicrosoftAzure => {
+            store!(MicrosoftAzureBuilder::from_env(), base, options)
+        }
+        ObjectStoreScheme::Http => store!(HttpBuilder::new(), base, options),
+        other => Err(format!("{other:?} URLs are not read by safeload")),
+    }
+}
+
+/// S3 and S3-compatible stores (MinIO, R2, rclone ...): every `AWS_*` variable `object_store`
+/// knows (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+/// AWS_SESSION_TOKEN, AWS_SKIP_SIGNATURE, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, ...), then the
+/// options; AWS_S3_FORCE_PATH_STYLE as the AWS CLI reads it (AWS_CA_BUNDLE: `connector`).
+fn s3(base: &str, options: &Options) -> Built {
+    let mut b = AmazonS3Builder::new();
+    for (key, value) in std::env::vars() {
+        let parsed = key
+            .starts_with("AWS_")
+            .then(|| key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>());
+        if let Some(Ok(k)) = parsed {
+            b = b.with_config(k, value);
+        }
+    }
+    if std::env::var("AWS_S3_FORCE_PATH_STYLE").is_ok_and(|v| is_true(&v)) {
+        b = b.with_virtual_hosted_style_request(false);
+    }
+    store!(b, base, options)
+}
+
+/// Retries of failed requests (and of bodies cut short, from the byte where they stopped):
+/// 5 within 2 minutes, 0.1-2 s apart, so a server that keeps failing is reported in seconds.
+fn retry() -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(2),
+            base: 2.0,
+        },
+        max_retries: 5,
+        retry_timeout: Duration::from_secs(120),
+    }
+}
+
+fn is_true(value: &str) -> bool {
+    matches!(value.to_ascii_lowercase().as_str(), "1" | "true" | "yes")
+}
+
+/// fsspec (s3fs, gcsfs, adlfs) names for the options `object_store` spells otherwise.
+fn canonical(key: &str) -> String {
+    let key = key.to_ascii_lowercase();
+    match key.as_str() {
+        "key" => "access_key_id".into(),
+        "secret" => "secret_access_key".into(),
+        "anon" => "skip_signature".into(),
+        "region_name" => "region".into(),
+        "use_ssl" => "allow_http".into(),
+        _ => key,
+    }
+}
+
+/// Applies `options` with `set`; an option the store does not know is an error naming it.
+fn apply<B>(
+    mut builder: B,
+    options: &Options,
+    set: impl Fn(B, &str, &str) -> Result<B, object_store::Error>,
+) -> Result<B, String> {
+    for (key, value) in options {
+        let k = canonical(key);
+        // fsspec's use_ssl=False means plain HTTP is fine.
+        let value = match k.as_str() {
+            "allow_http" if key.eq_ignore_ascii_case("use_ssl") => (!is_true(value)).to_string(),
+            _ => value.clone(),
+        };
+        builder = set(builder, &k, &value)
+            .map_err(|e| format!("storage option {key:?} is not known here ({e})"))?;
+    }
+    Ok(builder)
+}

@@ -1,0 +1,72 @@
+//! Sources that are objects in a store (`crate::remote`): opened with one ranged GET of the
+//! object's start (a second when the header is longer), read by the engine's workers with ranged
+//! GETs; the read settings they get by default.
+
+use std::path::Path;
+
+#[cfg(feature = "remote")]
+use super::Backing;
+use super::Source;
+use crate::error::{Error, Result};
+#[cfg(feature = "remote")]
+use crate::header;
+#[cfg(feature = "remote")]
+use crate::storage::FsKind;
+
+/// Workers for objects in a store: requests in flight, each waiting on a round trip.
+pub const THREADS: usize = 32;
+/// Bytes per ranged GET.
+pub const CHUNK_BYTES: usize = 16 << 20;
+
+impl Source {
+    #[cfg(feature = "remote")]
+    pub(super) fn open_remote(path: &Path, options: &crate::remote::Options) -> Result<Source> {
+        let url = path.to_string_lossy();
+        let remote_err = |e| Error::remote(path, e);
+        let (object, mut bytes) = crate::remote::Object::open(&url, options).map_err(remote_err)?;
+        let size = object.size();
+        let header_err = |reason| Error::header(Some(path), reason);
+        let json_len =
+            header::header_len(&bytes[..bytes.len().min(8)], size).map_err(header_err)?;
+        let header_end = 8 + json_len as usize;
+        if bytes.len() < header_end {
+            let have = bytes.len();
+            bytes.resize(header_end, 0);
+            let got = object
+                .read_fully_at(&mut bytes[have..], have as u64)
+                .map_err(remote_err)?;
+            if have + got < header_end {
+                return Err(header_err(header::HeaderError::InvalidHeaderLength));
+            }
+        }
+        let header = header::parse(&bytes[8..header_end], size).map_err(header_err)?;
+        Ok(Source {
+            path: path.to_path_buf(),
+            kind: FsKind::Network(scheme_name(&url)),
+            backing: Backing::Remote(object),
+            file_len: size,
+            header,
+            map: Default::default(),
+            direct: Default::default(),
+        })
+    }
+
+    #[cfg(not(feature = "remote"))]
+    pub(super) fn open_remote(path: &Path, _: &crate::remote::Options) -> Result<Source> {
+        Err(Error::Remote(format!(
+            "{}: this build of safeload reads no object storage (cargo feature `remote`)",
+            path.display()
+        )))
+    }
+}
+
+/// The storage name a URL's objects report (`f.stats.storage`).
+#[cfg(feature = "remote")]
+fn scheme_name(url: &str) -> &'static str {
+    match url.split_once("://").map(|(s, _)| s.to_ascii_lowercase()) {
+        Some(s) if s.starts_with("s3") => "s3",
+        Some(s) if s == "gs" => "gcs",
+        Some(s) if s.starts_with("http") => "http",
+        _ => "azure",
+    }
+}

@@ -1,0 +1,190 @@
+"""A small threaded HTTP/1.1 server of a directory's files with `Range` support, and switches to
+misbehave, for tests of reading objects by URL (and `benches/remote.py`).
+
+Every fault is chosen by request count, never by timing, so the tests that use them are
+deterministic:
+
+- ``latency``: seconds slept before each response (benchmarks only);
+- ``fail_nth`` / ``fail_every``: the Nth GET (1-based), or every Kth, is cut off after half of its
+  body (``fail_mode="midway"``: headers with the full Content-Length, half the bytes, then the
+  connection is closed) or answered 500 (``fail_mode="status"``);
+- ``truncate``: every GET body is cut off after half (a connection that always drops);
+- ``status``: answer every request with this status (403, 404 ...);
+- ``ignore_range``: answer ranged GETs with 200 and the whole file.
+
+``requests`` records (method, path, requested range or None, status, body bytes sent) for each,
+logged as the response starts (so a client holding every byte finds its request logged).
+
+    python tests/support/range_server.py DIR [--port 0] [--latency 0.005]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import List, Optional, Tuple
+
+Record = Tuple[str, str, Optional[Tuple[int, int]], int, int]
+
+
+class RangeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, root: str, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), _Handler)
+        self.root = root
+        self.latency = 0.0
+        self.fail_nth: Optional[int] = None
+        self.fail_every: Optional[int] = None
+        self.fail_mode = "midway"
+        self.truncate = False
+        self.status: Optional[int] = None
+        self.ignore_range = False
+        self.requests: List[Record] = []
+        self.gets = 0
+        self.lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def start(self) -> "RangeServer":
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def reset(self) -> None:
+        """Back to a well-behaved server with an empty log."""
+        with self.lock:
+            self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
+            self.truncate, self.status, self.ignore_range = False, None, False
+            self.requests, self.gets = [], 0
+
+    def data_bytes_served(self, path: str) -> int:
+        return sum(sent for method, p, _, _, sent in self.requests if method == "GET" and p == path)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: RangeServer
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def _serve(self, head: bool) -> None:
+        srv = self.server
+        with srv.lock:
+            if not head:
+                srv.gets += 1
+            n = srv.gets
+            fail = not head and (
+                srv.fail_nth == n or (srv.fail_every is not None and n % srv.fail_every == 0))
+            latency, status, truncate = srv.latency, srv.status, srv.truncate
+            ignore_range, fail_mode = srv.ignore_range, srv.fail_mode
+        if latency:
+            threading.Event().wait(latency)
+        method = "HEAD" if head else "GET"
+        path = os.path.join(srv.root, self.path.lstrip("/").split("?")[0])
+        wanted = _parse_range(self.headers.get("Range"))
+        if status is not None or (fail and fail_mode == "status"):
+            code = status if status is not None else 500
+            self._reply_empty(code, f"injected {code}".encode())
+            return self._record(method, wanted, code, 0)
+        if not os.path.isfile(path):
+            self._reply_empty(404, b"not found")
+            return self._record(method, wanted, 404, 0)
+        size = os.path.getsize(path)
+        stat = os.stat(path)
+        etag = '"' + hashlib.md5(f"{stat.st_size}-{stat.st_mtime_ns}".encode()).hexdigest() + '"'
+        if wanted is not None and not ignore_range:
+            begin, end = wanted[0], min(wanted[1], size - 1)
+            if begin >= size:
+                self._reply_empty(416, b"range not satisfiable", {"Content-Range": f"bytes */{size}"})
+                return self._record(method, wanted, 416, 0)
+            code, headers = 206, {"Content-Range": f"bytes {begin}-{end}/{size}"}
+        else:
+            begin, end, code, headers = 0, size - 1, 200, {}
+        length = end - begin + 1
+        self.send_response(code)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        if head:
+            return self._record(method, wanted, code, 0)
+        send = length // 2 if (truncate or fail) else length
+        # Logged before the body goes out: a client that has every byte may look at the log at once.
+        self._record(method, wanted, code, send)
+        self._send_file(path, begin, send)
+        if send < length:  # cut the body off: the client sees a connection closed early
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.close_connection = True
+
+    def _send_file(self, path: str, begin: int, length: int) -> None:
+        sent = 0
+        with open(path, "rb") as f:
+            f.seek(begin)
+            while sent < length:
+                block = f.read(min(1 << 20, length - sent))
+                if not block:
+                    break
+                self.wfile.write(block)
+                sent += len(block)
+
+    def _reply_empty(self, code: int, body: bytes, headers: Optional[dict] = None) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _record(self, method: str, wanted: Optional[Tuple[int, int]], code: int, sent: int) -> None:
+        with self.server.lock:
+            self.server.requests.append((method, self.path, wanted, code, sent))
+
+
+def _parse_range(value: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``bytes=A-B`` (inclusive) or ``bytes=A-`` as (A, B); None when absent."""
+    m = re.fullmatch(r"bytes=(\d+)-(\d*)", value.strip()) if value else None
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else (1 << 62)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--latency", type=float, default=0.0)
+    args = p.parse_args()
+    srv = RangeServer(args.root, args.port)
+    srv.latency = args.latency
+    print(srv.url, flush=True)
+    srv.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

