@@ -25,6 +25,7 @@ mod prefetch;
 mod readahead;
 mod remote;
 mod serialize;
+mod shards;
 mod shares;
 mod slice;
 mod source;

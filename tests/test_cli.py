@@ -216,3 +216,18 @@ def test_log_read(sample, caplog):
                      "(2.00 GiB/s) storage=ext4")
     assert second.startswith(f"load_checkpoint 2 files ({sample}, ...): backend=direct")
     assert third.startswith(f"get_tensors {sample}: backend=pread threads=") and "read=" in third
+
+
+def test_bytes_compare_byte_for_byte(sample):
+    """verify's pread/mmap check: Bytes from two readers are equal exactly when their bytes are."""
+    from safeload._safeload import Handle
+
+    a, b = Handle(sample, "pread"), Handle(sample, "mmap")
+    names = a.offset_keys()
+    for name in names:
+        assert a.read(name)[3] == b.read(name)[3], name
+    different = [(x, y) for x in names for y in names if x != y and a.read(x)[3] != b.read(y)[3]]
+    assert different, "distinct tensors compared equal"
+    assert (a.read(names[0])[3] == b"not bytes") is False
+    a.close()
+    b.close()

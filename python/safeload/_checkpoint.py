@@ -3,7 +3,6 @@ one worker pool so shards overlap; or streamed tensor by tensor with bounded mem
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -11,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
 from ._open import resolve_backend
-from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url
+from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url, shard_paths
 
 Progress = Callable[[int, int], None]
 
@@ -23,24 +22,10 @@ def resolve(path_or_paths: Any, storage_options: Optional[Dict[str, Any]] = None
     path = os.fspath(path_or_paths)
     if isinstance(path, str) and is_url(path):
         return checkpoint_urls(path, storage_options)
-    if os.path.isdir(path):
-        indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
-        if indexes:
-            return resolve(os.path.join(path, indexes[0]))
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"No .safetensors files in directory: {path}")
-        return [os.path.join(path, f) for f in files]
-    if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise SafetensorError(f"{path}: not a safetensors index (no 'weight_map' object)")
-        base = os.path.dirname(path)
-        shards = sorted(set(weight_map.values()))
-        return [os.path.join(base, s) for s in shards]
-    return [path]
+    paths = [os.fspath(p) for p in shard_paths(path)]
+    if not paths:
+        raise FileNotFoundError(f"No .safetensors files in directory: {path}")
+    return paths
 
 
 def _converter(framework: str, device: Any) -> Tuple[Callable[[str, str, List[int], Any], Any], Any]:

@@ -169,18 +169,6 @@ def to_numpy(code: str, shape: Sequence[int], data: Any, name: str = "") -> Any:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def raw_view(data: Any) -> memoryview:
-    """A writable byte memoryview of tensor bytes: ``Bytes`` (no buffer protocol in the abi3
-    build: through numpy when installed, else a copy) or any buffer."""
-    if type(data) is Bytes:
-        try:
-            import numpy as np
-        except ImportError:  # pragma: no cover - numpy is optional
-            return memoryview(bytearray(bytes(data)))
-        return np.asarray(data).data
-    return memoryview(data).cast("B")
-
-
 def _from_numpy(module: str, convert: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     def adapter(code: str, shape: Sequence[int], data: Any, name: str = "") -> Any:
         try:

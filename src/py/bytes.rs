@@ -166,6 +166,11 @@ impl Bytes {
         self.inner.len()
     }
 
+    /// Byte-for-byte equality with other tensor bytes (`safeload verify`'s pread/mmap check).
+    fn __eq__(&self, other: &Bytes) -> bool {
+        self.inner.as_slice() == other.inner.as_slice()
+    }
+
     /// Address of the first byte (for tests of alignment and ownership).
     #[getter]
     fn address(&self) -> usize {

@@ -55,6 +55,13 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(info)
 }
 
+/// The shard files of a local checkpoint (a file, a directory, an index.json), in a stable
+/// order; empty for a directory holding none. URLs: `checkpoint_urls`.
+#[pyfunction]
+fn shard_paths(path: std::path::PathBuf) -> PyResult<Vec<std::path::PathBuf>> {
+    Ok(crate::shards::shard_paths(&path)?)
+}
+
 /// Tests only: read cgroup files under `root` (a fixture tree) instead of `/`.
 #[pyfunction]
 fn _set_cgroup_root(root: std::path::PathBuf) {
@@ -103,6 +110,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
     m.add_function(wrap_pyfunction!(_set_cgroup_root, m)?)?;
+    m.add_function(wrap_pyfunction!(shard_paths, m)?)?;
     m.add_function(wrap_pyfunction!(remote::is_url, m)?)?;
     m.add_function(wrap_pyfunction!(remote::checkpoint_urls, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;

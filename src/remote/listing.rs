@@ -62,20 +62,10 @@ async fn list(store: &dyn ObjectStore, prefix: &ObjectPath) -> object_store::Res
 
 /// The shards an index names (its `weight_map` values), as URLs beside the index.
 fn index_shards(url: &str, json: &[u8]) -> io::Result<Vec<String>> {
-    let invalid = || {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{url}: not a safetensors index (no 'weight_map' object)"),
-        )
-    };
-    let index: serde_json::Value = serde_json::from_slice(json).map_err(|_| invalid())?;
-    let map = index
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(invalid)?;
-    let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    let names = crate::shards::index_shards(url, json)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
     let base = url.rsplit_once('/').map_or(url, |(base, _)| base);
-    Ok(shards.into_iter().map(|s| format!("{base}/{s}")).collect())
+    Ok(names.into_iter().map(|s| format!("{base}/{s}")).collect())
 }
 
 #[cfg(test)]
