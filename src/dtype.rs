@@ -111,7 +111,8 @@ impl Dtype {
     /// How the frameworks name this dtype: the one table the binding and the Python package
     /// use (torch dtype attributes, numpy's or ml_dtypes' names, DLPack's element type).
     pub fn names(self) -> Names {
-        // DLPack codes: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6.
+        // DLPack codes: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLComplex 5, kDLBool 6,
+        // and DLPack 1.1's fp8 codes (kDLFloat8_e4m3fn 10 ... kDLFloat8_e8m0fnu 14).
         let (torch, numpy, dlpack): (Option<&str>, Option<&str>, Option<u8>) = match self {
             Dtype::BOOL => (Some("bool"), Some("bool"), Some(6)),
             Dtype::U8 => (Some("uint8"), Some("uint8"), Some(1)),
@@ -127,11 +128,11 @@ impl Dtype {
             Dtype::F64 => (Some("float64"), Some("float64"), Some(2)),
             Dtype::I64 => (Some("int64"), Some("int64"), Some(0)),
             Dtype::U64 => (Some("uint64"), Some("uint64"), Some(1)),
-            Dtype::F8_E5M2 => (Some("float8_e5m2"), Some("float8_e5m2"), None),
-            Dtype::F8_E4M3 => (Some("float8_e4m3fn"), Some("float8_e4m3fn"), None),
-            Dtype::F8_E8M0 => (Some("float8_e8m0fnu"), Some("float8_e8m0fnu"), None),
-            Dtype::F8_E4M3FNUZ => (Some("float8_e4m3fnuz"), Some("float8_e4m3fnuz"), None),
-            Dtype::F8_E5M2FNUZ => (Some("float8_e5m2fnuz"), Some("float8_e5m2fnuz"), None),
+            Dtype::F8_E5M2 => (Some("float8_e5m2"), Some("float8_e5m2"), Some(12)),
+            Dtype::F8_E4M3 => (Some("float8_e4m3fn"), Some("float8_e4m3fn"), Some(10)),
+            Dtype::F8_E8M0 => (Some("float8_e8m0fnu"), Some("float8_e8m0fnu"), Some(14)),
+            Dtype::F8_E4M3FNUZ => (Some("float8_e4m3fnuz"), Some("float8_e4m3fnuz"), Some(11)),
+            Dtype::F8_E5M2FNUZ => (Some("float8_e5m2fnuz"), Some("float8_e5m2fnuz"), Some(13)),
             Dtype::F4 => (Some("float4_e2m1fn_x2"), None, None),
             Dtype::F6_E2M3 | Dtype::F6_E3M2 => (None, None, None),
         };

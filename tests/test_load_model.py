@@ -123,6 +123,35 @@ def test_what_cannot_be_read_in_place_is_copied(tmp_path):
     assert not ours.t.is_contiguous()
 
 
+def test_the_reader_decides_what_it_fills_in_place(tmp_path):
+    """``Checkpoint.read_into`` fills what it can and names the rest; safeload's load_into then
+    copies those: fp8 of the same type in place (DLPack's fp8 codes), fp8 of another type and a
+    view sharing another destination's memory copied, with 0.8's values either way."""
+    from safeload._safeload import Checkpoint
+
+    path = str(tmp_path / "fp8.safetensors")
+    w = {"a": torch.randn(8).to(torch.float8_e4m3fn), "b": torch.randn(8).to(torch.float8_e4m3fn),
+         "c": torch.randn(4, 2), "d": torch.randn(8)}
+    st.save_file(w, path)
+    base = torch.zeros(8)
+    dests = {"a": torch.zeros(8, dtype=torch.float8_e4m3fn), "b": torch.zeros(8, dtype=torch.float8_e5m2),
+             "c": base.view(4, 2), "d": base, "e": torch.zeros(4, 2).t()}
+    ckpt = Checkpoint([path])
+    try:
+        _, rest = ckpt.read_into(["a", "b", "c", "d", "c"], [dests[k] for k in "abcd"] + [dests["e"]])
+    finally:
+        ckpt.close()
+    assert rest == ["b", "c", "d", "c"]  # another fp8 type; shared memory; not contiguous
+    assert raw_bytes(dests["a"]) == raw_bytes(w["a"])
+    before = dests["a"].data_ptr()
+    for t in dests.values():
+        t.zero_()
+    sl.load_into({k: dests[k] for k in "abd"}, path)
+    assert dests["a"].data_ptr() == before and raw_bytes(dests["a"]) == raw_bytes(w["a"])
+    assert raw_bytes(dests["b"]) == raw_bytes(w["b"].to(torch.float8_e5m2))  # torch's copy_
+    assert torch.equal(base, w["d"])
+
+
 def test_shape_mismatch_raises_before_touching_the_model(saved):
     _, path = saved
     model = Net()

@@ -3,51 +3,24 @@ path of ``load_model``.
 
 A model's CPU parameters and buffers are handed to the Rust reader as DLPack (no addresses), and
 the parallel reader writes the file's bytes into them in place, converting F32/F16/BF16 on the
-way: no new memory, one copy, storages unchanged. What cannot take a direct read gets a copy,
-never a wrong value: tensors that are not contiguous, dtype pairs without a converter (the
-tensor is read into new memory and ``copy_`` converts as torch does), tensors on a device (read
-through the device path, then ``copy_``), and tensors that share memory with one another.
+way: no new memory, one copy, storages unchanged. The reader decides which tensors it can fill
+(``Checkpoint.read_into`` returns the others); those get a copy, never a wrong value: tensors
+that are not contiguous, dtype pairs without a converter (read into new memory, then ``copy_``
+converts as torch does), tensors on a device, and tensors that share memory with one another.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ._checkpoint import resolve
-from ._frameworks import FLOAT_CODES, float_code, torch_dtype, torch_many, torch_shape
+from ._frameworks import torch_many, torch_shape
 from ._open import DEFAULT_BACKEND, resolve_backend
 from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
 
 #: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
 COPY_BATCH_BYTES = 256 << 20
-
-def _in_place(t: Any, code: str, shape: List[int]) -> bool:
-    """Whether the reader can fill ``t`` in place with a tensor of ``code`` and ``shape``."""
-    return (t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse
-            and (float_code(t.dtype) is not None and code in FLOAT_CODES.values()
-                 or _same_dtype(t, code)))
-
-
-def _same_dtype(t: Any, code: str) -> bool:
-    try:
-        return t.dtype == torch_dtype(code)
-    except SafetensorError:
-        return False
-
-
-def _overlapping(tensors: Dict[str, Any]) -> set:
-    """Names whose memory overlaps another's (tied weights, views of one buffer)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
-                   for n, t in tensors.items() if t.numel())
-    out: Set[str] = set()
-    end, reaching = -1, ""  # the furthest end so far, and whose it is
-    for start, stop, name in spans:
-        if start < end:
-            out.update((reaching, name))
-        if stop > end:
-            end, reaching = stop, name
-    return out
 
 
 def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEFAULT_BACKEND,
@@ -75,12 +48,7 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
         if list(t.shape) != list(torch_shape(code, shape)):
             raise SafetensorError(f"tensor {name}: the checkpoint has shape {shape}, "
                                   f"the destination {list(t.shape)}")
-    shared = _overlapping({n: t for n, t in tensors.items() if t.device.type == "cpu"})
-    direct = [n for n, t in tensors.items()
-              if n not in shared and _in_place(t, *infos[n])]
-    ckpt.read_into(direct, [_byte_view(tensors[n], infos[n][0]) for n in direct])
-    taken = set(direct)
-    rest = [n for n in tensors if n not in taken]
+    rest = ckpt.read_into(list(tensors), [t.detach() for t in tensors.values()])[1]
     if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
         for batch in ckpt.batches(rest, max_bytes=COPY_BATCH_BYTES):
             items, _ = ckpt.read(batch)
@@ -88,17 +56,6 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
                 for name, t in torch_many(items).items():
                     tensors[name].copy_(t)
     return ckpt.stats()
-
-
-def _byte_view(t: Any, code: str) -> Any:
-    """``t`` as the reader takes it: itself (detached) when DLPack describes its dtype and the
-    file's dtype converts to it, else a uint8 view of its bytes (same dtype, e.g. fp8)."""
-    import torch
-
-    t = t.detach()
-    if float_code(t.dtype) is not None:
-        return t
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _custom_loading(model: Any) -> bool:

@@ -178,7 +178,8 @@ impl Bytes {
     }
 
     /// A DLPack capsule of the bytes as a C-contiguous tensor of format dtype `code` (one DLPack
-    /// describes exactly: not fp8 / fp4) and `shape`, which must cover the bytes exactly.
+    /// describes exactly: not F4 / F6; fp8 for consumers that know DLPack 1.1's codes) and
+    /// `shape`, which must cover the bytes exactly.
     fn dlpack<'py>(
         &self,
         py: Python<'py>,

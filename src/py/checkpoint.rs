@@ -18,7 +18,6 @@ use super::shares::{self, Share};
 use super::stats::Stats;
 use super::stream::Stream;
 use crate::checkpoint::{self, Entry};
-use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::source::Target;
 
@@ -119,49 +118,54 @@ impl Checkpoint {
         Ok((tuples(&picked, read), Stats::from(s)))
     }
 
-    /// Reads each named tensor straight into the matching destination: a host tensor or array
-    /// exporting DLPack, contiguous, of the tensor's shape; its dtype may differ where a
-    /// converter exists (F32/F16/BF16), or be uint8 bytes of the tensor's exact size.
+    /// Reads each named tensor straight into its destination where the reader can: a host
+    /// tensor or array exporting DLPack, contiguous, sharing memory with no other destination,
+    /// of the tensor's size in its own dtype or one it converts to (F32/F16/BF16). Returns the
+    /// read's stats and the names it left for the caller to copy (in the order given).
     fn read_into(
         &self,
         py: Python<'_>,
         names: Vec<String>,
         dests: Vec<Bound<'_, PyAny>>,
-    ) -> PyResult<Stats> {
+    ) -> PyResult<(Stats, Vec<String>)> {
         if names.len() != dests.len() {
-            return Err(PyErr::from(Error::Destination(format!(
+            return Err(PyErr::from(Error::Argument(format!(
                 "{} names for {} destinations",
                 names.len(),
                 dests.len()
             ))));
         }
         let ckpt = self.get()?;
-        let labels: Vec<&str> = names.iter().map(String::as_str).collect();
-        let mut held = Destinations::borrow(&dests, &labels)?;
+        let entries = names
+            .iter()
+            .map(|n| ckpt.get(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (mut held, index) = Destinations::borrow_eligible(&dests);
         let dtypes = held.dtypes();
-        let mut targets = Vec::with_capacity(names.len());
-        for ((name, dest), dtype) in names.iter().zip(held.slices()).zip(dtypes) {
-            let (source, info) = ckpt.get(name)?;
-            // A uint8 view of the tensor's own size takes its bytes as they are.
-            let dtype = match dtype {
-                Some(Dtype::U8) if dest.len() == info.nbytes() => info.dtype,
-                Some(d) => d,
-                None => {
-                    return Err(PyErr::from(Error::Destination(format!(
-                        "the destination of tensor {name} has an element type the format lacks"
-                    ))));
-                }
-            };
-            targets.push(Target {
-                source,
-                info,
-                dtype,
-                dest,
-            });
+        let mut in_place = vec![false; names.len()];
+        let mut targets = Vec::with_capacity(index.len());
+        for ((&i, dest), dtype) in index.iter().zip(held.slices()).zip(dtypes) {
+            let (source, info) = entries[i];
+            if let Some(dtype) = dtype
+                && crate::source::bytes_as(info, dtype) == Some(dest.len())
+            {
+                in_place[i] = true;
+                targets.push(Target {
+                    source,
+                    info,
+                    dtype,
+                    dest,
+                });
+            }
         }
         let c: &checkpoint::Checkpoint = &ckpt;
         let s = detached(py, |poll| c.read_into(targets, poll))?;
-        Ok(Stats::from(s))
+        let copies = names
+            .into_iter()
+            .zip(in_place)
+            .filter_map(|(n, done)| (!done).then_some(n))
+            .collect();
+        Ok((Stats::from(s), copies))
     }
 
     /// The plan of a load by `world` ranks: (shares of the tensors some rank needs, in (shard,

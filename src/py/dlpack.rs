@@ -65,26 +65,43 @@ pub struct Destinations<'py> {
 impl<'py> Destinations<'py> {
     /// Takes `__dlpack__()` of every object; `names` label errors.
     pub fn borrow(objects: &[Bound<'py, PyAny>], names: &[&str]) -> PyResult<Self> {
-        let mut held = Vec::with_capacity(objects.len());
-        for (obj, name) in objects.iter().zip(names) {
-            held.push(hold(obj, name)?);
-        }
-        let mut spans: Vec<(usize, usize, usize)> = held
+        let held = objects
             .iter()
-            .enumerate()
-            .filter(|(_, h)| h.len > 0)
-            .map(|(i, h)| (h.ptr as usize, h.ptr as usize + h.len, i))
-            .collect();
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[1].0 < w[0].1 {
-                return Err(PyValueError::new_err(format!(
-                    "destinations of {} and {} share memory",
-                    names[w[0].2], names[w[1].2]
-                )));
-            }
+            .zip(names)
+            .map(|(obj, name)| hold(obj, name))
+            .collect::<PyResult<Vec<_>>>()?;
+        if let Some(&(a, b)) = overlapping(&held).first() {
+            return Err(PyValueError::new_err(format!(
+                "destinations of {} and {} share memory",
+                names[a], names[b]
+            )));
         }
         Ok(Destinations { held })
+    }
+
+    /// [`Destinations::borrow`] of the objects that can be read into, the others left out: no
+    /// DLPack export, not host memory, not contiguous, or sharing memory with another object
+    /// (tied weights, views of one buffer). Returns them and each one's index in `objects`.
+    pub fn borrow_eligible(objects: &[Bound<'py, PyAny>]) -> (Self, Vec<usize>) {
+        let (mut kept, mut held) = (Vec::new(), Vec::new());
+        for (i, obj) in objects.iter().enumerate() {
+            if let Ok(h) = hold(obj, "") {
+                kept.push(i);
+                held.push(h);
+            }
+        }
+        let shared: std::collections::HashSet<usize> = overlapping(&held)
+            .into_iter()
+            .flat_map(|(a, b)| [a, b])
+            .collect();
+        let (mut out, mut index) = (Vec::new(), Vec::new());
+        for (j, h) in held.into_iter().enumerate() {
+            if !shared.contains(&j) {
+                out.push(h);
+                index.push(kept[j]);
+            }
+        }
+        (Destinations { held: out }, index)
     }
 
     /// Every destination as memory that outlives this borrow: (capsule, first byte, length).
@@ -119,6 +136,32 @@ impl<'py> Destinations<'py> {
             })
             .collect()
     }
+}
+
+/// Every pair (by index) of destinations whose bytes overlap: spans sorted by start, each
+/// checked against the furthest end so far.
+fn overlapping(held: &[Held<'_>]) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize, usize)> = held
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| h.len > 0)
+        .map(|(i, h)| (h.ptr as usize, h.ptr as usize + h.len, i))
+        .collect();
+    spans.sort_unstable();
+    let mut pairs = Vec::new();
+    let mut reach: Option<(usize, usize)> = None; // (furthest end, whose)
+    for (start, end, i) in spans {
+        if let Some((far, j)) = reach {
+            if start < far {
+                pairs.push((j, i));
+            }
+            if end <= far {
+                continue;
+            }
+        }
+        reach = Some((end, i));
+    }
+    pairs
 }
 
 fn hold<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Held<'py>> {
