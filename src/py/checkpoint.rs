@@ -146,16 +146,16 @@ impl Checkpoint {
         let mut targets = Vec::with_capacity(index.len());
         for ((&i, dest), dtype) in index.iter().zip(held.slices()).zip(dtypes) {
             let (source, info) = entries[i];
-            if let Some(dtype) = dtype
-                && crate::source::bytes_as(info, dtype) == Some(dest.len())
-            {
+            let Some(dtype) = dtype else { continue };
+            let target = Target {
+                source,
+                info,
+                dtype,
+                dest,
+            };
+            if target.fits() {
                 in_place[i] = true;
-                targets.push(Target {
-                    source,
-                    info,
-                    dtype,
-                    dest,
-                });
+                targets.push(target);
             }
         }
         let c: &checkpoint::Checkpoint = &ckpt;

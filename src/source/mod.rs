@@ -24,7 +24,7 @@ mod tensors;
 // Only the binding reads spans into its own memory (see the crate's dead-code note).
 #[cfg_attr(not(feature = "python"), allow(unused_imports))]
 pub(crate) use ranges::read_data_ranges;
-pub(crate) use tensors::{Target, Tensors, bytes_as, read_or_map, read_targets};
+pub(crate) use tensors::{Target, Tensors, read_or_map, read_targets};
 
 /// Tuning of a read.
 #[derive(Debug, Clone, Copy, Default)]

@@ -21,6 +21,13 @@ pub struct Target<'s, 'd> {
     pub dest: &'d mut [u8],
 }
 
+impl Target<'_, '_> {
+    /// Whether `dest` holds exactly the tensor as `dtype` (one the reader can fill in place).
+    pub fn fits(&self) -> bool {
+        bytes_as(self.info, self.dtype) == Some(self.dest.len())
+    }
+}
+
 /// Bytes a tensor takes as `dtype`: its size in the file when the dtype is its own, else what
 /// [`crate::convert`] turns it into. None when it cannot be converted to `dtype`.
 pub fn bytes_as(info: &TensorInfo, dtype: Dtype) -> Option<usize> {
@@ -41,8 +48,7 @@ pub fn read_targets(
 ) -> Result<Report> {
     let mut targets = targets;
     for t in &targets {
-        let want = bytes_as(t.info, t.dtype);
-        if want != Some(t.dest.len()) {
+        if !t.fits() {
             return Err(Error::Destination(format!(
                 "cannot read tensor {} ({:?}, {} bytes) of {} into {} bytes of {:?}",
                 t.info.name,
