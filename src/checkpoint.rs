@@ -1,15 +1,20 @@
 //! A checkpoint: one or many shards opened once (headers parsed once, storage probed once), its
-//! tensor table, byte-bounded batches of a selection, and one read that every consumer uses,
-//! into new memory or into memory the caller hands over, converting dtypes on the way.
+//! tensor table, byte-bounded batches of a selection, and the reads every consumer uses (a
+//! single-file `safe_open` is a one-shard checkpoint): into new memory or into memory the caller
+//! hands over, converting dtypes on the way, parts of a tensor, data-area ranges; one strategy
+//! cache and one total of every read.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::buffer::TensorBytes;
 use crate::dtype::Dtype;
 use crate::engine::Report;
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
+use crate::slice::SlicePlan;
 use crate::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::storage::{self, Backend, Strategy};
 
@@ -29,12 +34,15 @@ pub struct ReadStats {
 pub type Entry<'c> = (usize, &'c TensorInfo);
 
 pub struct Checkpoint {
-    pub shards: Vec<Source>,
+    /// Shared with what outlives a read: read-ahead, prefetch loaders.
+    pub shards: Vec<Arc<Source>>,
     index: HashMap<String, (usize, usize)>,
     backend: Backend,
     opts: ReadOptions,
     /// The first shard's resolution of `backend` and the residency measured for it: probed once.
     resolved: OnceLock<(Strategy, Option<f64>)>,
+    /// Uncached reads were asked for and the filesystem refused them: reads are buffered since.
+    direct_refused: AtomicBool,
     /// Every read so far, added up, and the strategy of the latest that moved bytes.
     totals: Mutex<(Report, Option<Strategy>)>,
 }
@@ -54,7 +62,7 @@ impl Checkpoint {
     ) -> Result<Checkpoint> {
         let shards = paths
             .iter()
-            .map(|p| Source::open_with(p, store))
+            .map(|p| Source::open_with(p, store).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         let mut index = HashMap::new();
         for (s, shard) in shards.iter().enumerate() {
@@ -75,6 +83,7 @@ impl Checkpoint {
             backend,
             opts,
             resolved: OnceLock::new(),
+            direct_refused: AtomicBool::new(false),
             totals: Mutex::new((Report::default(), None)),
         })
     }
@@ -131,7 +140,15 @@ impl Checkpoint {
     /// How this checkpoint is read: the first shard's resolution of the backend stands for all,
     /// resolved at the first call.
     pub fn strategy(&self) -> Strategy {
-        self.resolution().0
+        match self.resolution().0 {
+            Strategy::Direct if self.direct_refused.load(Ordering::Relaxed) => Strategy::Pread,
+            s => s,
+        }
+    }
+
+    /// The tuning reads use (the caller's threads and request size, or None: picked per read).
+    pub fn options(&self) -> ReadOptions {
+        self.opts
     }
 
     fn resolution(&self) -> (Strategy, Option<f64>) {
@@ -150,6 +167,9 @@ impl Checkpoint {
     }
 
     fn record(&self, backend: Strategy, report: &Report) -> ReadStats {
+        if report.direct_refused {
+            self.direct_refused.store(true, Ordering::Relaxed);
+        }
         let stats = self.stats(backend, report);
         let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
         let (sum, latest) = &mut *totals;
@@ -163,7 +183,6 @@ impl Checkpoint {
     }
 
     fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
-        let refs: Vec<&Source> = self.shards.iter().collect();
         ReadStats {
             backend: if report.direct_refused {
                 Strategy::Pread
@@ -171,7 +190,7 @@ impl Checkpoint {
                 backend
             },
             threads: report.threads,
-            chunk_bytes: source::chunk_bytes(&refs, &self.opts),
+            chunk_bytes: source::chunk_bytes(&self.sources(), &self.opts),
             bytes: report.bytes,
             seconds: report.seconds,
             storage: self.shards.first().map_or("local", |s| s.kind.name()),
@@ -187,9 +206,14 @@ impl Checkpoint {
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
-        let refs: Vec<&Source> = self.shards.iter().collect();
-        let (out, report, strategy) =
-            source::read_or_map(&refs, selection, self.strategy(), dtype, &self.opts, poll)?;
+        let (out, report, strategy) = source::read_or_map(
+            &self.sources(),
+            selection,
+            self.strategy(),
+            dtype,
+            &self.opts,
+            poll,
+        )?;
         Ok((out, self.record(strategy, &report)))
     }
 
@@ -208,9 +232,36 @@ impl Checkpoint {
             (Strategy::Mmap, _) => Strategy::Pread,
             (s, _) => s,
         };
-        let refs: Vec<&Source> = self.shards.iter().collect();
-        let report = source::read_targets(&refs, targets, strategy, &self.opts, poll)?;
+        let report = source::read_targets(&self.sources(), targets, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
+    }
+
+    /// The bytes of `plan` (part of tensor `info` of shard `shard`), only the rows it needs read.
+    pub fn read_slice(
+        &self,
+        shard: usize,
+        info: &TensorInfo,
+        plan: &SlicePlan,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<(TensorBytes, ReadStats)> {
+        let (bytes, report) = self.shards[shard].read_slice(info, plan, &self.opts, poll)?;
+        Ok((bytes, self.record(Strategy::Pread, &report)))
+    }
+
+    /// Data-area ranges of shard `shard` (`(offset, dest)`: `dest` filled from `offset` bytes
+    /// into its data area) in one plan, in file order.
+    pub fn read_ranges(
+        &self,
+        shard: usize,
+        ranges: Vec<(u64, &mut [u8])>,
+        poll: &mut dyn FnMut() -> bool,
+    ) -> Result<ReadStats> {
+        let report = source::read_data_ranges(&self.shards[shard], ranges, &self.opts, poll)?;
+        Ok(self.record(Strategy::Pread, &report))
+    }
+
+    fn sources(&self) -> Vec<&Source> {
+        self.shards.iter().map(|s| &**s).collect()
     }
 }
 

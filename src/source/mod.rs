@@ -21,8 +21,6 @@ mod ranges;
 mod remote;
 mod tensors;
 
-// Only the binding reads spans into its own memory (see the crate's dead-code note).
-#[cfg_attr(not(feature = "python"), allow(unused_imports))]
 pub(crate) use ranges::read_data_ranges;
 pub(crate) use tensors::{Target, Tensors, read_or_map, read_targets};
 

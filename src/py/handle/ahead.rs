@@ -1,32 +1,31 @@
 //! A `Handle`'s read-ahead: made at the first read that wants it, tensors taken into
 //! destinations the caller provides (MPS), and safetensors 0.9's prefetch loaders.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 
 use super::Handle;
+use crate::checkpoint::Checkpoint;
 use crate::header::TensorInfo;
 use crate::prefetch::Rows;
 use crate::py::errors::detached;
 use crate::py::prefetch::Prefetch;
 use crate::py::provided;
 use crate::readahead::{self, Mode, ReadAhead};
-use crate::source::Source;
 
 impl Handle {
     /// The handle's read-ahead, made at the first call: into `provided` destinations (see
     /// `take_into`), or the handle's own memory or page cache.
-    pub(super) fn ahead(&self, source: &Arc<Source>, provided: bool) -> Option<&ReadAhead> {
+    pub(super) fn ahead(&self, ckpt: &Checkpoint, provided: bool) -> Option<&ReadAhead> {
         self.ahead
             .get_or_init(|| {
                 let budget = readahead::budget_from_env();
                 let mode = if provided {
                     Mode::Provided
                 } else {
-                    Mode::for_strategy(self.strategy())
+                    Mode::for_strategy(ckpt.strategy())
                 };
-                (budget > 0).then(|| ReadAhead::new(source.clone(), mode, self.opts, budget))
+                let source = ckpt.shards[0].clone();
+                (budget > 0).then(|| ReadAhead::new(source, mode, ckpt.options(), budget))
             })
             .as_ref()
     }
@@ -35,17 +34,17 @@ impl Handle {
     pub(super) fn take_provided(
         &self,
         py: Python<'_>,
-        source: &Arc<Source>,
+        ckpt: &Checkpoint,
         info: &TensorInfo,
         allocate: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let Some(ahead) = self.ahead(source, true) else {
+        let Some(ahead) = self.ahead(ckpt, true) else {
             return Ok(None);
         };
         if ahead.mode() != Mode::Provided {
             return Ok(None);
         }
-        let index = source
+        let index = ckpt.shards[0]
             .header
             .index_of(&info.name)
             .expect("info comes from this header");
@@ -58,17 +57,17 @@ impl Handle {
     pub(super) fn start_prefetch(
         &self,
         py: Python<'_>,
-        source: Arc<Source>,
+        ckpt: &Checkpoint,
         plan: Option<Vec<(String, Rows)>>,
         threads: Option<usize>,
         budget: u64,
         provided: bool,
     ) -> PyResult<Prefetch> {
-        let mut opts = self.opts;
+        let mut opts = ckpt.options();
         if let Some(t) = threads {
             opts.threads = Some(t.max(1));
         }
-        let strategy = self.strategy();
+        let (source, strategy) = (ckpt.shards[0].clone(), ckpt.strategy());
         py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
             .map_err(PyErr::from)
     }

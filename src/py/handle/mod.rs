@@ -19,69 +19,60 @@ use super::bytes::Bytes;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
 use super::stats::Stats;
-use crate::checkpoint::ReadStats;
-use crate::engine::Report;
+use crate::checkpoint::{Checkpoint, ReadStats};
 use crate::error::Error;
 use crate::readahead::{self, ReadAhead};
-use crate::source::{self, ReadOptions, Source};
-use crate::storage::{Backend, Strategy};
-
-/// Totals over a handle's reads, for `f.stats`.
-#[derive(Default, Clone, Copy)]
-struct Totals {
-    bytes: u64,
-    seconds: f64,
-    threads: usize,
-}
+use crate::source::Source;
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {
-    source: RwLock<Option<Arc<Source>>>,
-    requested: Backend,
-    /// What reads this file: `requested` resolved at the first read (so `open()` + `keys()`
-    /// costs no residency probe). Direct falls back to Pread when the filesystem refuses O_DIRECT.
-    strategy: RwLock<Option<Strategy>>,
-    opts: ReadOptions,
-    /// The request size and filesystem kind, fixed at open (`stats` reports them after close).
-    chunk_bytes: usize,
-    storage: &'static str,
-    totals: Mutex<Totals>,
-    /// Read-ahead for tensors pulled one at a time, shared with this handle's shares (slices);
+    /// The file, as a one-shard checkpoint: its strategy (resolved at the first read, so
+    /// `open()` + `keys()` costs no residency probe) and the totals of every read, shared with
+    /// this handle's shares (slices). None once closed.
+    open: RwLock<Option<Arc<Checkpoint>>>,
+    /// The totals when it closed (`stats` after close).
+    closed: Mutex<Option<ReadStats>>,
+    /// Read-ahead for tensors pulled one at a time, shared with this handle's shares;
     /// made at the first such read, None when `SAFELOAD_READAHEAD_BYTES=0`.
     ahead: Arc<OnceLock<Option<ReadAhead>>>,
 }
 
 impl Handle {
-    fn source(&self) -> PyResult<Arc<Source>> {
-        self.source
+    fn ckpt(&self) -> PyResult<Arc<Checkpoint>> {
+        self.open
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| Error::Closed("File").into())
     }
 
-    fn strategy(&self) -> Strategy {
-        if let Some(known) = *self.strategy.read().unwrap_or_else(|p| p.into_inner()) {
-            return known;
-        }
-        let open = self
-            .source
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let resolved = open.map_or(Strategy::Pread, |s| s.resolve(self.requested));
-        *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(resolved);
-        resolved
+    /// The file.
+    fn source(&self) -> PyResult<Arc<Source>> {
+        Ok(self.ckpt()?.shards[0].clone())
     }
 
-    fn record(&self, report: &Report) {
-        let mut t = self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        t.bytes += report.bytes;
-        t.seconds += report.seconds;
-        t.threads = t.threads.max(report.threads);
-        if report.direct_refused {
-            *self.strategy.write().unwrap_or_else(|p| p.into_inner()) = Some(Strategy::Pread);
+    /// [`Handle::totals`] while open, the totals at close after.
+    fn latest(&self) -> ReadStats {
+        let open = self.open.read().unwrap_or_else(|p| p.into_inner());
+        match &*open {
+            Some(ckpt) => self.totals(ckpt),
+            None => self
+                .closed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .expect("set at close"),
         }
+    }
+
+    /// Totals of the checkpoint's reads, the read-ahead's added.
+    fn totals(&self, ckpt: &Checkpoint) -> ReadStats {
+        let mut t = ckpt.totals();
+        if let Some(Some(a)) = self.ahead.get() {
+            let ahead = a.totals();
+            t.bytes += ahead.bytes_read;
+            t.seconds += ahead.seconds;
+        }
+        t
     }
 }
 
@@ -104,16 +95,11 @@ impl Handle {
     ) -> PyResult<Self> {
         let backend = parse_backend(backend)?;
         let store = storage_options.unwrap_or_default().0;
-        let source = py.detach(|| Source::open_with(&path, &store))?;
         let opts = options(threads, chunk_bytes, drop_cache);
+        let ckpt = py.detach(|| Checkpoint::open_with(&[path], backend, opts, &store))?;
         Ok(Handle {
-            chunk_bytes: source::chunk_bytes(&[&source], &opts),
-            storage: source.kind.name(),
-            source: RwLock::new(Some(Arc::new(source))),
-            requested: backend,
-            strategy: RwLock::new(None),
-            opts,
-            totals: Mutex::new(Totals::default()),
+            open: RwLock::new(Some(Arc::new(ckpt))),
+            closed: Mutex::new(None),
             ahead: Arc::new(if readahead {
                 OnceLock::new()
             } else {
@@ -124,8 +110,8 @@ impl Handle {
 
     /// The backend reading this file: "mmap", "pread" or "direct".
     #[getter]
-    fn backend(&self) -> &'static str {
-        self.strategy().name()
+    fn backend(&self) -> PyResult<&'static str> {
+        Ok(self.ckpt()?.strategy().name())
     }
 
     /// The filesystem kind the file lives on ("local", "memory", "fuse", "nfs", ...).
@@ -134,22 +120,10 @@ impl Handle {
         Ok(self.source()?.kind.name())
     }
 
-    /// Totals of this handle's reads so far, its read-ahead's included: the backend, the most
-    /// workers a read used, the request size, bytes, seconds, the filesystem kind.
+    /// Totals of this file's reads so far (its slices' and read-ahead's included): the backend,
+    /// the most workers a read used, the request size, bytes, seconds, the filesystem kind.
     fn stats(&self) -> Stats {
-        let t = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        let ahead = match self.ahead.get() {
-            Some(Some(a)) => a.totals(),
-            _ => readahead::Totals::default(),
-        };
-        Stats::from(ReadStats {
-            backend: self.strategy(),
-            threads: t.threads,
-            chunk_bytes: self.chunk_bytes,
-            bytes: t.bytes + ahead.bytes_read,
-            seconds: t.seconds + ahead.seconds,
-            storage: self.storage,
-        })
+        Stats::from(self.latest())
     }
 
     /// Bytes the read-ahead holds for tensors not asked for yet (owned memory, or page cache
@@ -163,18 +137,18 @@ impl Handle {
     }
 
     #[getter]
-    fn threads(&self) -> Option<usize> {
-        self.opts.threads
+    fn threads(&self) -> PyResult<Option<usize>> {
+        Ok(self.ckpt()?.options().threads)
     }
 
     #[getter]
     fn chunk_bytes(&self) -> usize {
-        self.chunk_bytes
+        self.latest().chunk_bytes
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.source
+        self.open
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .is_none()
@@ -184,13 +158,8 @@ impl Handle {
     /// slice keeps, as safetensors' slices keep the file).
     fn share(&self) -> PyResult<Handle> {
         Ok(Handle {
-            source: RwLock::new(Some(self.source()?)),
-            requested: self.requested,
-            strategy: RwLock::new(Some(self.strategy())),
-            opts: self.opts,
-            chunk_bytes: self.chunk_bytes,
-            storage: self.storage,
-            totals: Mutex::new(Totals::default()),
+            open: RwLock::new(Some(self.ckpt()?)),
+            closed: Mutex::new(None),
             ahead: self.ahead.clone(),
         })
     }
@@ -198,7 +167,13 @@ impl Handle {
     /// Closes this handle; the read-ahead stops (and frees what it read) once no share of it
     /// (a slice) is left either.
     fn close(&self) {
-        *self.source.write().unwrap_or_else(|p| p.into_inner()) = None;
+        let mut open = self.open.write().unwrap_or_else(|p| p.into_inner());
+        let Some(ckpt) = open.take() else {
+            return;
+        };
+        // Under the write lock: `latest` sees the handle open or these totals.
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.totals(&ckpt));
+        drop(open);
         if Arc::strong_count(&self.ahead) == 1
             && let Some(Some(ahead)) = self.ahead.get()
         {
@@ -260,10 +235,10 @@ impl Handle {
         provided: bool,
         staging: bool,
     ) -> PyResult<Prefetch> {
-        let source = self.source()?;
+        let ckpt = self.ckpt()?;
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
         let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
-        self.start_prefetch(py, source, plan, threads, budget, provided)
+        self.start_prefetch(py, &ckpt, plan, threads, budget, provided)
     }
 
     /// (dtype code, shape) of one tensor.
@@ -296,9 +271,9 @@ impl Handle {
 
     /// Bytes of one tensor.
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
-        let source = self.source()?;
-        let info = source.tensor(name)?;
-        self.whole(py, &source, info)
+        let ckpt = self.ckpt()?;
+        let info = ckpt.shards[0].tensor(name)?;
+        self.whole(py, &ckpt, info)
     }
 
     /// Bytes of the named tensors (all when `names` is None), in file order, read together;
@@ -338,14 +313,14 @@ impl Handle {
         key: Option<Bound<'_, PyAny>>,
         bounds: &str,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let source = self.source()?;
-        let info = source.tensor(name)?;
+        let ckpt = self.ckpt()?;
+        let info = ckpt.shards[0].tensor(name)?;
         if let Some(key) = key
             && !covers(&slice_plan(info, &key, bounds)?, info)
         {
             return Ok(None);
         }
-        self.take_provided(py, &source, info, &allocate)
+        self.take_provided(py, &ckpt, info, &allocate)
     }
 
     /// `tensor[key]`, `key` as `__getitem__` got it (ints, slices, `...`, a tuple of those),
@@ -359,9 +334,9 @@ impl Handle {
         key: &Bound<'_, PyAny>,
         bounds: &str,
     ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
-        let source = self.source()?;
-        let info = source.tensor(name)?;
-        self.read_part(py, &source, info, slice_plan(info, key, bounds)?)
+        let ckpt = self.ckpt()?;
+        let info = ckpt.shards[0].tensor(name)?;
+        self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)
     }
 }
 

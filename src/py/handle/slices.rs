@@ -1,12 +1,11 @@
 //! Parts of a tensor from a `Handle` (`tensor[key]`): the key's plan, whether it covers the
 //! whole tensor, and the bytes cut from the read-ahead's, from the map, or read.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 
 use super::Handle;
 use crate::buffer::{self, TensorBytes};
+use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::header::TensorInfo;
 use crate::py::args::{parse_bounds, parse_key};
@@ -14,7 +13,6 @@ use crate::py::bytes::Bytes;
 use crate::py::errors::detached;
 use crate::readahead::Mode;
 use crate::slice;
-use crate::source::Source;
 use crate::storage::Strategy;
 
 impl Handle {
@@ -23,20 +21,20 @@ impl Handle {
     pub(super) fn read_part(
         &self,
         py: Python<'_>,
-        source: &Arc<Source>,
+        ckpt: &Checkpoint,
         info: &TensorInfo,
         plan: slice::SlicePlan,
     ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
         if covers(&plan, info) {
             // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
             // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
-            let (_, code, shape, bytes) = self.whole(py, source, info)?;
+            let (_, code, shape, bytes) = self.whole(py, ckpt, info)?;
             return Ok((code, shape, bytes));
         }
         // Part of a tensor the read-ahead already holds: cut from its bytes.
         let held = match self.ahead.get() {
             Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
-                let index = source
+                let index = ckpt.shards[0]
                     .header
                     .index_of(&info.name)
                     .expect("info comes from this header");
@@ -44,19 +42,13 @@ impl Handle {
             }
             _ => None,
         };
-        let bytes = match (held, self.strategy()) {
+        let bytes = match (held, ckpt.strategy()) {
             (Some(whole), _) => gather(&plan, &whole)?,
             (None, Strategy::Mmap) => {
-                let whole = source.map_tensor(info)?;
+                let whole = ckpt.shards[0].map_tensor(info)?;
                 gather(&plan, &whole)?
             }
-            _ => {
-                let opts = self.opts;
-                let s: &Source = source;
-                let (bytes, report) = detached(py, |poll| s.read_slice(info, &plan, &opts, poll))?;
-                self.record(&report);
-                bytes
-            }
+            _ => detached(py, |poll| ckpt.read_slice(0, info, &plan, poll))?.0,
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
