@@ -1,9 +1,10 @@
-//! A checkpoint streamed in batches: whole tensors in file order, at most `max_bytes` a batch
-//! (a larger tensor alone), the next batch read on a thread of its own while the caller uses the
-//! current one, so at most two batches are in memory. Dropping the stream stops the reader.
+//! A checkpoint streamed in batches: whole tensors in file order, at most half the in-flight
+//! budget a batch (a larger tensor alone), the next batch read on a thread of its own while the
+//! caller uses the current one, so at most two batches are in memory. Counts what it has handed
+//! over, for progress. Dropping the stream stops the reader.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -19,15 +20,27 @@ pub type Item = (String, Dtype, Vec<usize>, TensorBytes);
 /// How often a waiting caller looks at its `poll` (Ctrl-C).
 const POLL_EVERY: Duration = Duration::from_millis(50);
 
+/// The in-flight budget of a whole load that reports progress: about 32 steps, 64 MiB to 1 GiB
+/// each.
+fn progress_budget(total: u64) -> u64 {
+    (total / 32).clamp(64 << 20, 1 << 30)
+}
+
 pub struct Stream {
     batches: Receiver<Result<Vec<Item>>>,
     stop: Arc<AtomicBool>,
     reader: Option<JoinHandle<()>>,
+    /// Bytes of every tensor, and of those handed over so far.
+    pub total: u64,
+    done: AtomicU64,
 }
 
 impl Stream {
-    /// Starts reading the first batch of `ckpt` at once.
-    pub fn start(ckpt: Arc<Checkpoint>, max_bytes: u64) -> Stream {
+    /// Starts reading the first batch of `ckpt` at once, with at most `in_flight` bytes read and
+    /// not yet used (None: a budget for a whole load reporting progress).
+    pub fn start(ckpt: Arc<Checkpoint>, in_flight: Option<u64>) -> Stream {
+        let total = ckpt.entries().map(|(_, t)| t.nbytes() as u64).sum();
+        let max_bytes = (in_flight.unwrap_or_else(|| progress_budget(total)) / 2).max(1);
         // Capacity 0: the reader hands a batch over only when the caller asks, and then reads
         // the next one while the caller works on it.
         let (send, batches) = sync_channel(0);
@@ -37,7 +50,7 @@ impl Stream {
             .name("safeload-stream".into())
             .spawn(move || {
                 let all: Vec<_> = ckpt.entries().collect();
-                for batch in Checkpoint::batches(&all, max_bytes.max(1)) {
+                for batch in Checkpoint::batches(&all, max_bytes) {
                     let mut poll = || stopped.load(Ordering::Relaxed);
                     let read = ckpt.read(&batch, None, &mut poll).map(|(read, _)| {
                         (batch.iter().zip(read))
@@ -57,7 +70,14 @@ impl Stream {
             batches,
             stop,
             reader: Some(reader),
+            total,
+            done: AtomicU64::new(0),
         }
+    }
+
+    /// Bytes of the tensors handed over so far.
+    pub fn done(&self) -> u64 {
+        self.done.load(Ordering::Relaxed)
     }
 
     /// The next batch (None after the last), waiting for it; `poll` returning true while
@@ -65,7 +85,13 @@ impl Stream {
     pub fn next(&self, poll: &mut dyn FnMut() -> bool) -> Option<Result<Vec<Item>>> {
         loop {
             match self.batches.recv_timeout(POLL_EVERY) {
-                Ok(batch) => return Some(batch),
+                Ok(batch) => {
+                    if let Ok(items) = &batch {
+                        let bytes: usize = items.iter().map(|i| i.3.len()).sum();
+                        self.done.fetch_add(bytes as u64, Ordering::Relaxed);
+                    }
+                    return Some(batch);
+                }
                 Err(RecvTimeoutError::Disconnected) => return None,
                 Err(RecvTimeoutError::Timeout) if poll() => {
                     self.stop.store(true, Ordering::Relaxed);
@@ -124,7 +150,7 @@ mod tests {
             )
         };
         let ckpt = open();
-        let stream = Stream::start(ckpt.clone(), 700);
+        let stream = Stream::start(ckpt.clone(), Some(1400));
         let mut seen = Vec::new();
         while let Some(batch) = stream.next(&mut || false) {
             let batch = batch.unwrap();
@@ -141,12 +167,11 @@ mod tests {
             .map(|(_, t)| t.name[1..].parse().unwrap())
             .collect::<Vec<usize>>();
         assert_eq!(seen, std::mem::take(&mut by_offset));
-        assert_eq!(
-            ckpt.totals().bytes,
-            data.iter().map(|d| d.len() as u64).sum::<u64>()
-        );
+        let total = data.iter().map(|d| d.len() as u64).sum::<u64>();
+        assert_eq!(ckpt.totals().bytes, total);
+        assert_eq!((stream.done(), stream.total), (total, total));
         // Dropped after one batch: the reader stops, nothing hangs.
-        let stream = Stream::start(open(), 100);
+        let stream = Stream::start(open(), Some(200));
         assert!(stream.next(&mut || false).unwrap().is_ok());
         drop(stream);
         drop(ckpt); // Windows deletes no open file

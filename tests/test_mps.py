@@ -69,8 +69,8 @@ class SpyHandle:
 
     rec: Recorder = None  # set by the fixture
 
-    def __init__(self, *args, **kwargs) -> None:
-        self._h = Handle(*args, **kwargs)
+    def __init__(self, *args, handle=None, **kwargs) -> None:
+        self._h = Handle(*args, **kwargs) if handle is None else handle
 
     def __getattr__(self, name):
         return getattr(self._h, name)
@@ -158,7 +158,8 @@ def fake_mps(monkeypatch):
     real_checkpoint = _checkpoint.Checkpoint
 
     class SpyCheckpoint:
-        """Host reads of whole checkpoints (the CPU path) are recorded."""
+        """Host reads of whole checkpoints (the CPU path) are recorded, and its handles' reads
+        (the staged path)."""
 
         def __init__(self, *a, **k):
             self._c = real_checkpoint(*a, **k)
@@ -170,7 +171,11 @@ def fake_mps(monkeypatch):
             rec.events.append(("host_read", "Checkpoint.read"))
             return self._c.read(*a, **k)
 
-    monkeypatch.setattr(_checkpoint, "Checkpoint", SpyCheckpoint)
+        def handles(self):
+            return [SpyHandle(handle=h) for h in self._c.handles()]
+
+    for module in (_checkpoint, _staging):
+        monkeypatch.setattr(module, "Checkpoint", SpyCheckpoint)
     return rec
 
 

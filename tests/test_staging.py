@@ -379,12 +379,26 @@ def test_get_tensor_and_load_file_on_cuda_use_staging(write_st, fake_cuda):
     with safeload.safe_open(path, "pt", device="cuda") as f:
         for k in ref:
             assert_tensor_equal(f.get_tensor(k), ref[k], k)
+            # Each load's stats are its own reads: this tensor's bytes, not the handle's total
+            # (none for an empty tensor: nothing read).
+            read = f.staging_stats.read
+            assert (read.bytes_read if read else 0) == ref[k].numel() * ref[k].element_size(), k
         with pytest.raises(SafetensorError, match="File does not contain tensor nope"):
             f.get_tensor("nope")
     assert len(fake_cuda) == len(ref) + 1
+    assert f.stats.bytes_read == sum(t.numel() * t.element_size() for t in ref.values())
     got = safeload.torch.load_file(path, device=torch.device("cuda", 0))
     assert_same(got, ref)
     assert len(fake_cuda) == len(ref) + 2
+
+
+def test_staged_shards_are_one_checkpoint(write_st, fake_cuda, tmp_path):
+    """A name in two shards is refused when the checkpoint opens, before any device memory."""
+    a = write_st({"x": make_tensor("F32", (4,), 1)}, name="model-1.safetensors")
+    b = write_st({"x": make_tensor("F32", (4,), 2)}, name="model-2.safetensors")
+    with pytest.raises(SafetensorError, match="tensor x appears in more than one shard"):
+        _checkpoint.load_checkpoint([a, b], "pt", device="cuda:0")
+    assert all(not sink.log for sink in fake_cuda)  # nothing allocated, nothing copied
 
 
 def test_load_checkpoint_on_cuda_uses_staging(write_st, fake_cuda, tmp_path):

@@ -86,7 +86,7 @@ def load_checkpoint(
         try:
             if progress is not None and dtype is None:  # in batches, to report
                 for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
-                    _add(out, name, tensor)
+                    out[name] = tensor
             else:
                 items, _ = ckpt.read(dtype=dtype_code(dtype))
                 for name, code, shape, data in items:
@@ -96,12 +96,6 @@ def load_checkpoint(
             ckpt.close()
     _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
-
-
-def _add(out: Dict[str, Any], name: str, tensor: Any) -> None:
-    if name in out:
-        raise SafetensorError(f"tensor {name} appears in more than one shard")
-    out[name] = tensor
 
 
 def _wants_bar(paths: Sequence[str]) -> bool:
@@ -168,15 +162,11 @@ def _stream(
 ) -> Iterator[Tuple[str, Any]]:
     """The checkpoint in file order, batch by batch: the reader reads the next batch (on a
     thread of its own) while the caller uses the current one, so each holds at most half of
-    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own)."""
-    total = sum(i.nbytes for i in ckpt.infos())
-    if max_inflight_bytes is None:  # progress for a whole load: ~32 steps, 64 MiB-1 GiB each
-        max_inflight_bytes = min(1 << 30, max(64 << 20, total // 32))
-    done = 0
-    with ckpt.stream(max_bytes=max(1, max_inflight_bytes // 2)) as batches:
+    ``max_inflight_bytes`` (a tensor larger than that is a batch of its own; None: the reader's
+    budget for a whole load reporting progress)."""
+    with ckpt.stream(max_inflight_bytes=max_inflight_bytes) as batches:
         for items in batches:
             for name, code, shape, data in items:
                 yield name, convert(name, code, shape, data)
-            done += sum(len(item[3]) for item in items)
             if progress is not None:
-                progress(done, total)
+                progress(*batches.progress())

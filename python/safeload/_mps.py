@@ -165,16 +165,19 @@ def load(
 
     total = sum(t.nbytes for infos in wanted for t in infos)
     _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
+    stats = StagingStats()
     done = 0
     for source, ranges in enumerate(spans):  # one call per file, read in parallel, file order
-        done += handles[source].read_ranges(ranges) if ranges else 0
+        if ranges:
+            read = handles[source].read_ranges(ranges)
+            stats.read = read if stats.read is None else stats.read + read
+            done += read.bytes_read
         if progress is not None:
             progress(done, total)
     _synchronize(torch)  # the host writes are visible before any GPU work reads them
     aliases.clear()
     last_path = "alias"
 
-    stats = StagingStats()
     stats.bytes = total
     stats.tensors = len(out)
     stats.fills = sum(1 for ranges in spans if ranges)

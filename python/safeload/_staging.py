@@ -26,15 +26,13 @@ The parts are separate so the scheduling is tested byte for byte without a GPU:
 
 from __future__ import annotations
 
-import functools
-import operator
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
 from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
-from ._safeload import STAGING_RING_ENV, Fill, Handle, TensorInfo, staging_plan, staging_ring
+from ._safeload import STAGING_RING_ENV, Checkpoint, Fill, Handle, TensorInfo, staging_plan, staging_ring
 from ._stats import StagingStats
 
 #: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216"; the ring's rule
@@ -274,7 +272,6 @@ def load_to_device(
     source); all when None. ``sink``: replaces the device's (tests). Returns a dict in file order
     of typed tensors, each with its own storage, every copy complete. Paths are opened with the
     pread engine (``threads``, ``chunk_bytes``, ``drop_cache``) and closed after."""
-    global last_stats
     single = isinstance(sources, (Handle, str, os.PathLike))
     items: List[Any] = [sources] if single else list(sources)  # type: ignore[arg-type]
     if names is None:
@@ -296,17 +293,14 @@ def load_to_device(
             sink = make_sink(target)
     n_buffers, buf_bytes = staging_ring(ring_buffers, buffer_bytes)
 
-    handles: List[Handle] = []
-    opened: List[Handle] = []
+    # Paths are opened as one checkpoint (a name in two shards is an error there), read file by
+    # file through its handles.
+    paths = [os.fspath(i) for i in items if not isinstance(i, Handle)]
+    ckpt = Checkpoint(paths, "pread", threads=threads, chunk_bytes=chunk_bytes,
+                      drop_cache=drop_cache) if paths else None
+    shards = iter(ckpt.handles() if ckpt is not None else [])
+    handles = [i if isinstance(i, Handle) else next(shards) for i in items]
     try:
-        for item in items:
-            if isinstance(item, Handle):
-                handles.append(item)
-            else:
-                h = Handle(os.fspath(item), "pread", threads=threads, chunk_bytes=chunk_bytes,
-                           drop_cache=drop_cache)
-                opened.append(h)
-                handles.append(h)
         loaded = None
         if mps is not None:
             loaded = _mps.load(handles, wanted_tensors(handles, per_source)[0], mps, progress)
@@ -314,19 +308,17 @@ def load_to_device(
         if loaded is None:
             assert sink is not None
             loaded = _load(handles, per_source, sink, n_buffers, buf_bytes, progress)
-        if handles:
-            loaded[1].read = functools.reduce(operator.add, [h.stats() for h in handles])
         return loaded
     finally:
-        for h in opened:
-            h.close()
+        if ckpt is not None:
+            ckpt.close()
 
 
 def wanted_tensors(handles: Sequence[Handle], per_source: Sequence[Optional[List[str]]],
-                   buffer_bytes: int = 1 << 20) -> Tuple[List[List[Info]], List[Fill]]:
-    """The wanted tensors per file in offset order, and their fills through the ring (the
-    reader's plan: names and shards checked), each with a torch dtype, before anything is
-    allocated."""
+                   buffer_bytes: Optional[int] = None) -> Tuple[List[List[Info]], List[Fill]]:
+    """The wanted tensors per file in offset order, and their fills through a ring of
+    ``buffer_bytes`` buffers (none when None): the reader's plan, names checked, each with a
+    torch dtype, before anything is allocated."""
     wanted, fills = staging_plan([h.infos() for h in handles], list(per_source), buffer_bytes)
     for infos in wanted:
         for t in infos:
@@ -393,7 +385,9 @@ def _load(
             slot = index % len(ring)
             buf, address = ring[slot]
             sink.filling(index, slot)
-            handles[fill.source].read_ranges([(buf[at:at + length], offset) for offset, length, at in fill.reads])
+            read = handles[fill.source].read_ranges(
+                [(buf[at:at + length], offset) for offset, length, at in fill.reads])
+            stats.read = read if stats.read is None else stats.read + read
             in_flight[index] = fill.length
             stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
             pairs = []

@@ -31,7 +31,8 @@ class StagingStats:
         self.peak_in_flight = 0
         self.pinned = False
         self.seconds = 0.0
-        #: the reader's own stats of the load's reads (bytes, workers, backend, storage)
+        #: the reader's own stats of this load's reads (bytes, workers, backend, storage); None
+        #: when it read nothing (empty tensors only)
         self.read: Optional[Any] = None
 
     @property

@@ -12,6 +12,7 @@ use super::args::{TensorTuple, options, parse_backend, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::detached;
+use super::handle::Handle;
 use super::info::Info;
 use super::remote::StorageOptions;
 use super::shares::{self, Share};
@@ -183,14 +184,24 @@ impl Checkpoint {
         shares::plan(&*self.get()?, world, ranks_needing, selections, batch_bytes)
     }
 
-    /// Every tensor in file order, in batches of at most `max_bytes` (a larger tensor alone),
-    /// the next batch read ahead while the caller uses the current one (see `Stream`).
-    #[pyo3(signature = (*, max_bytes))]
-    fn stream(&self, max_bytes: u64) -> PyResult<Stream> {
+    /// Every tensor in file order, in batches of at most half of `max_inflight_bytes` (a larger
+    /// tensor alone; None: a budget for a whole load reporting progress, ~32 steps), the next
+    /// batch read ahead while the caller uses the current one (see `Stream`).
+    #[pyo3(signature = (*, max_inflight_bytes=None))]
+    fn stream(&self, max_inflight_bytes: Option<u64>) -> PyResult<Stream> {
         Ok(Stream::new(crate::stream::Stream::start(
             self.get()?,
-            max_bytes,
+            max_inflight_bytes,
         )))
+    }
+
+    /// One `Handle` per shard, in order, reading through this checkpoint (its strategy, its
+    /// totals; no read-ahead), for loads that drive reads file by file (the staging ring).
+    fn handles(&self) -> PyResult<Vec<Handle>> {
+        let ckpt = self.get()?;
+        Ok((0..ckpt.shards.len())
+            .map(|s| Handle::of_shard(ckpt.clone(), s, false))
+            .collect())
     }
 
     /// Totals of this checkpoint's reads so far: bytes and seconds added up, the most workers a

@@ -1,7 +1,7 @@
 //! Accelerator loads' staging ring as the Python loader (`_staging.py`) drives it: the ring's
 //! size, the tensors a load wants, and the fills that bring them through it (`crate::staging`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -91,20 +91,19 @@ pub fn staging_fills(
 /// What a staged load reads: per file (`files`: each file's header entries, as
 /// `Handle.infos()` gives them), the wanted tensors (`names`: one list, or None for all, per file)
 /// in offset order, and the fills of `buffer_bytes` that bring them through the ring, file after
-/// file. A name a file lacks, or one wanted from two files, is an error before anything is
-/// allocated.
+/// file (none when `buffer_bytes` is None: loads that need no ring). A name a file lacks is an
+/// error before anything is allocated (a name in two shards is one at open).
 #[pyfunction]
 pub fn staging_plan(
     files: Vec<Vec<PyRef<'_, Info>>>,
     names: Vec<Option<Vec<String>>>,
-    buffer_bytes: usize,
+    buffer_bytes: Option<usize>,
 ) -> PyResult<(Vec<Vec<Info>>, Vec<Fill>)> {
     if names.len() != files.len() {
         return Err(PyValueError::new_err("names: one entry per source"));
     }
     let mut wanted = Vec::with_capacity(files.len());
     let mut fills = Vec::new();
-    let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, (infos, want)) in files.iter().zip(names).enumerate() {
         let mut picked: Vec<&Info> = match want {
             None => infos.iter().map(|t| &**t).collect(),
@@ -124,21 +123,12 @@ pub fn staging_plan(
             }
         };
         picked.sort_by_key(|t| t.span());
-        for t in &picked {
-            if let Some(first) = seen.insert(t.name().to_string(), i)
-                && first != i
-            {
-                return Err(Error::Checkpoint(format!(
-                    "tensor {} appears in more than one shard",
-                    t.name()
-                ))
-                .into());
-            }
+        if let Some(buffer_bytes) = buffer_bytes {
+            let spans: Vec<(String, usize, usize)> = (picked.iter())
+                .map(|t| (t.name().to_string(), t.span().0, t.span().1))
+                .collect();
+            fills.extend(staging_fills(spans, buffer_bytes, i)?);
         }
-        let spans: Vec<(String, usize, usize)> = (picked.iter())
-            .map(|t| (t.name().to_string(), t.span().0, t.span().1))
-            .collect();
-        fills.extend(staging_fills(spans, buffer_bytes, i)?);
         wanted.push(picked.into_iter().map(|t| t.in_shard(i)).collect());
     }
     Ok((wanted, fills))

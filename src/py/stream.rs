@@ -28,6 +28,13 @@ impl Stream {
         slf
     }
 
+    /// (bytes of the tensors handed over so far, bytes of every tensor), for progress; None
+    /// once the stream has ended or closed.
+    fn progress(&self) -> Option<(u64, u64)> {
+        let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_ref().map(|s| (s.done(), s.total))
+    }
+
     /// The next batch: a list of (name, dtype code, shape, bytes) in file order, the GIL
     /// released while waiting for it; StopIteration after the last.
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Vec<TensorTuple>>> {

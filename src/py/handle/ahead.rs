@@ -24,7 +24,7 @@ impl Handle {
                 } else {
                     Mode::for_strategy(ckpt.strategy())
                 };
-                let source = ckpt.shards[0].clone();
+                let source = ckpt.shards[self.shard].clone();
                 (budget > 0).then(|| ReadAhead::new(source, mode, ckpt.options(), budget))
             })
             .as_ref()
@@ -44,7 +44,7 @@ impl Handle {
         if ahead.mode() != Mode::Provided {
             return Ok(None);
         }
-        let index = ckpt.shards[0]
+        let index = ckpt.shards[self.shard]
             .header
             .index_of(&info.name)
             .expect("info comes from this header");
@@ -67,7 +67,7 @@ impl Handle {
         if let Some(t) = threads {
             opts.threads = Some(t.max(1));
         }
-        let (source, strategy) = (ckpt.shards[0].clone(), ckpt.strategy());
+        let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
         py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
             .map_err(PyErr::from)
     }

@@ -30,6 +30,8 @@ pub struct Handle {
     /// `open()` + `keys()` costs no residency probe) and the totals of every read, shared with
     /// this handle's shares (slices). None once closed.
     open: RwLock<Option<Arc<Checkpoint>>>,
+    /// Which of the checkpoint's shards this handle reads (0 but for `Checkpoint.handles`).
+    shard: usize,
     /// The totals when it closed (`stats` after close).
     closed: Mutex<Option<ReadStats>>,
     /// Read-ahead for tensors pulled one at a time, shared with this handle's shares;
@@ -38,6 +40,20 @@ pub struct Handle {
 }
 
 impl Handle {
+    /// A handle on shard `shard` of `ckpt`, sharing its strategy and totals.
+    pub(crate) fn of_shard(ckpt: Arc<Checkpoint>, shard: usize, readahead: bool) -> Handle {
+        Handle {
+            open: RwLock::new(Some(ckpt)),
+            shard,
+            closed: Mutex::new(None),
+            ahead: Arc::new(if readahead {
+                OnceLock::new()
+            } else {
+                OnceLock::from(None)
+            }),
+        }
+    }
+
     fn ckpt(&self) -> PyResult<Arc<Checkpoint>> {
         self.open
             .read()
@@ -48,7 +64,7 @@ impl Handle {
 
     /// The file.
     fn source(&self) -> PyResult<Arc<Source>> {
-        Ok(self.ckpt()?.shards[0].clone())
+        Ok(self.ckpt()?.shards[self.shard].clone())
     }
 
     /// [`Handle::totals`] while open, the totals at close after.
@@ -97,15 +113,7 @@ impl Handle {
         let store = storage_options.unwrap_or_default().0;
         let opts = options(threads, chunk_bytes, drop_cache);
         let ckpt = py.detach(|| Checkpoint::open_with(&[path], backend, opts, &store))?;
-        Ok(Handle {
-            open: RwLock::new(Some(Arc::new(ckpt))),
-            closed: Mutex::new(None),
-            ahead: Arc::new(if readahead {
-                OnceLock::new()
-            } else {
-                OnceLock::from(None)
-            }),
-        })
+        Ok(Handle::of_shard(Arc::new(ckpt), 0, readahead))
     }
 
     /// The backend reading this file: "mmap", "pread" or "direct".
@@ -159,6 +167,7 @@ impl Handle {
     fn share(&self) -> PyResult<Handle> {
         Ok(Handle {
             open: RwLock::new(Some(self.ckpt()?)),
+            shard: self.shard,
             closed: Mutex::new(None),
             ahead: self.ahead.clone(),
         })
@@ -272,7 +281,7 @@ impl Handle {
     /// Bytes of one tensor.
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
         let ckpt = self.ckpt()?;
-        let info = ckpt.shards[0].tensor(name)?;
+        let info = ckpt.shards[self.shard].tensor(name)?;
         self.whole(py, &ckpt, info)
     }
 
@@ -291,8 +300,9 @@ impl Handle {
     /// Reads data-area ranges straight into the caller's memory, all in one plan read by the
     /// worker pool in file order, GIL released: each `(dest, offset)` fills `dest` (any host
     /// tensor or array exporting DLPack: a pinned staging buffer, an MPS storage's CPU alias;
-    /// destinations may not overlap) from `offset` bytes into the data area. Returns bytes read.
-    fn read_ranges(&self, py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, u64)>) -> PyResult<u64> {
+    /// destinations may not overlap) from `offset` bytes into the data area. Returns the stats
+    /// of this read.
+    fn read_ranges(&self, py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, u64)>) -> PyResult<Stats> {
         self.read_data_ranges(py, ranges)
     }
 
@@ -314,7 +324,7 @@ impl Handle {
         bounds: &str,
     ) -> PyResult<Option<Py<PyAny>>> {
         let ckpt = self.ckpt()?;
-        let info = ckpt.shards[0].tensor(name)?;
+        let info = ckpt.shards[self.shard].tensor(name)?;
         if let Some(key) = key
             && !covers(&slice_plan(info, &key, bounds)?, info)
         {
@@ -335,7 +345,7 @@ impl Handle {
         bounds: &str,
     ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
         let ckpt = self.ckpt()?;
-        let info = ckpt.shards[0].tensor(name)?;
+        let info = ckpt.shards[self.shard].tensor(name)?;
         self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)
     }
 }

@@ -11,6 +11,7 @@ use crate::py::args::TensorTuple;
 use crate::py::bytes::Bytes;
 use crate::py::dlpack::Destinations;
 use crate::py::errors::detached;
+use crate::py::stats::Stats;
 use crate::readahead::Mode;
 use crate::storage::Strategy;
 
@@ -24,7 +25,7 @@ impl Handle {
         ckpt: &Checkpoint,
         info: &TensorInfo,
     ) -> PyResult<TensorTuple> {
-        let index = ckpt.shards[0]
+        let index = ckpt.shards[self.shard]
             .header
             .index_of(&info.name)
             .expect("info comes from this header");
@@ -41,7 +42,7 @@ impl Handle {
                 ));
             }
         }
-        let (mut out, _) = read_entries(py, ckpt, &[(0, info)], None)?;
+        let (mut out, _) = read_entries(py, ckpt, &[(self.shard, info)], None)?;
         Ok(out.pop().expect("one tensor asked, one read"))
     }
 
@@ -53,7 +54,16 @@ impl Handle {
         dtype: Option<Dtype>,
     ) -> PyResult<Vec<TensorTuple>> {
         let ckpt = self.ckpt()?;
-        let entries = ckpt.select(names.as_deref())?;
+        let header = &ckpt.shards[self.shard].header;
+        let mut entries = match &names {
+            None => header.tensors.iter().collect(),
+            Some(names) => names
+                .iter()
+                .map(|n| ckpt.shards[self.shard].tensor(n))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        entries.sort_by_key(|t| t.begin);
+        let entries: Vec<Entry<'_>> = entries.into_iter().map(|t| (self.shard, t)).collect();
         let (out, ran) = read_entries(py, &ckpt, &entries, dtype)?;
         // Views of a map: its pages are made resident ahead of the caller's touches, in file
         // order (not when the tensors were read into memory, converting).
@@ -71,15 +81,15 @@ impl Handle {
         &self,
         py: Python<'_>,
         ranges: Vec<(Bound<'_, PyAny>, u64)>,
-    ) -> PyResult<u64> {
+    ) -> PyResult<Stats> {
         let ckpt = self.ckpt()?;
         let (dests, offsets): (Vec<_>, Vec<u64>) = ranges.into_iter().unzip();
         let labels = vec!["<range>"; dests.len()];
         let mut held = Destinations::borrow(&dests, &labels)?;
         let ranges: Vec<(u64, &mut [u8])> = offsets.into_iter().zip(held.slices()).collect();
         let c: &Checkpoint = &ckpt;
-        let stats = detached(py, |poll| c.read_ranges(0, ranges, poll))?;
-        Ok(stats.bytes)
+        let stats = detached(py, |poll| c.read_ranges(self.shard, ranges, poll))?;
+        Ok(Stats::from(stats))
     }
 }
 

@@ -34,7 +34,7 @@ impl Handle {
         // Part of a tensor the read-ahead already holds: cut from its bytes.
         let held = match self.ahead.get() {
             Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
-                let index = ckpt.shards[0]
+                let index = ckpt.shards[self.shard]
                     .header
                     .index_of(&info.name)
                     .expect("info comes from this header");
@@ -45,10 +45,10 @@ impl Handle {
         let bytes = match (held, ckpt.strategy()) {
             (Some(whole), _) => gather(&plan, &whole)?,
             (None, Strategy::Mmap) => {
-                let whole = ckpt.shards[0].map_tensor(info)?;
+                let whole = ckpt.shards[self.shard].map_tensor(info)?;
                 gather(&plan, &whole)?
             }
-            _ => detached(py, |poll| ckpt.read_slice(0, info, &plan, poll))?.0,
+            _ => detached(py, |poll| ckpt.read_slice(self.shard, info, &plan, poll))?.0,
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
