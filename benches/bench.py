@@ -689,11 +689,11 @@ def _spec_bytes(spec: Tuple[str, Tuple[int, ...], str]) -> int:
 
 
 def datasets_from_paths(paths: Sequence[str]) -> List[Dataset]:
-    from safeload._checkpoint import resolve
+    from safeload._checkpoint import checkpoint_files
 
     out = []
     for p in paths:
-        files = [os.path.abspath(f) for f in resolve(p)]
+        files = [os.path.abspath(f) for f in checkpoint_files(p)]
         index = None
         if os.path.isdir(p):
             idx = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))

@@ -17,8 +17,9 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// Small tensors are packed into arenas of at most this size.
 pub const ARENA_BYTES: usize = 8 << 20;
 
-/// An owned allocation; every byte initialised (zeroed or earlier bytes) so readers can borrow it.
-pub enum Storage {
+/// A region of memory tensor bytes live in (owned, a file map, or someone else's); every byte
+/// initialised (zeroed or earlier bytes) so readers can borrow it.
+pub enum Region {
     /// Small: from the global allocator.
     Heap { ptr: NonNull<u8>, len: usize },
     /// Large: an aligned, huge-page advised anonymous mapping, fresh or reused from the pool.
@@ -35,14 +36,14 @@ pub enum Storage {
 
 // SAFETY: the storage is plain memory; concurrent writers only touch disjoint ranges (enforced by
 // the read plan), and Python readers only see a range after its reader finished.
-unsafe impl Send for Storage {}
+unsafe impl Send for Region {}
 // SAFETY: as above.
-unsafe impl Sync for Storage {}
+unsafe impl Sync for Region {}
 
-impl Storage {
+impl Region {
     /// `len` bytes, 64-byte aligned (2 MiB and huge pages when large), initialised (zeroed, or an
     /// earlier load's bytes when pooled memory is reused).
-    pub fn alloc(len: usize) -> std::io::Result<Storage> {
+    pub fn alloc(len: usize) -> std::io::Result<Region> {
         if len >= HUGE_PAGE {
             return Self::alloc_mapped(len);
         }
@@ -52,26 +53,26 @@ impl Storage {
         // borrows it as `&mut [u8]` (calloc'd fresh pages cost nothing extra).
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(oom)?;
         crate::memory::account(len as i64);
-        Ok(Storage::Heap { ptr, len })
+        Ok(Region::Heap { ptr, len })
     }
 
     /// Anonymous memory aligned to the platform's map alignment (2 MiB on Linux; what uncached reads
     /// need too), advised to use huge pages where that cannot stall; memory freed by an earlier
     /// load is reused when one of a similar size is pooled (see [`crate::pool`]).
-    pub fn alloc_mapped(len: usize) -> std::io::Result<Storage> {
+    pub fn alloc_mapped(len: usize) -> std::io::Result<Region> {
         let mapping = Mapping::take(len)?;
         if huge_pages_enabled() {
             platform::advise_huge_pages(mapping.as_ptr(), mapping.capacity());
         }
-        Ok(Storage::Mapped { mapping, len })
+        Ok(Region::Mapped { mapping, len })
     }
 
     pub fn len(&self) -> usize {
         match self {
-            Storage::Heap { len, .. }
-            | Storage::Mapped { len, .. }
-            | Storage::External { len, .. } => *len,
-            Storage::Map(m) => m.len(),
+            Region::Heap { len, .. }
+            | Region::Mapped { len, .. }
+            | Region::External { len, .. } => *len,
+            Region::Map(m) => m.len(),
         }
     }
 
@@ -82,7 +83,7 @@ impl Storage {
     /// The whole allocation as bytes, for a scratch buffer its owner reads into; None for
     /// allocator memory, which may be uninitialised, and for memory owned elsewhere.
     pub fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        if matches!(self, Storage::Heap { .. } | Storage::External { .. }) {
+        if matches!(self, Region::Heap { .. } | Region::External { .. }) {
             return None;
         }
         // SAFETY: `len` bytes from the start are ours; `&mut self` makes this the only access;
@@ -94,18 +95,18 @@ impl Storage {
     /// First byte; writable (anonymous and private maps only).
     pub fn as_mut_ptr(&self) -> *mut u8 {
         match self {
-            Storage::Heap { ptr, .. } => ptr.as_ptr(),
-            Storage::Mapped { mapping, .. } => mapping.as_ptr().as_ptr(),
-            Storage::Map(m) => m.as_ptr() as *mut u8,
-            Storage::External { ptr, .. } => ptr.as_ptr(),
+            Region::Heap { ptr, .. } => ptr.as_ptr(),
+            Region::Mapped { mapping, .. } => mapping.as_ptr().as_ptr(),
+            Region::Map(m) => m.as_ptr() as *mut u8,
+            Region::External { ptr, .. } => ptr.as_ptr(),
         }
     }
 }
 
-impl Drop for Storage {
+impl Drop for Region {
     fn drop(&mut self) {
         // Mapped storage goes back through its Mapping (to the pool or the OS); maps unmap.
-        if let Storage::Heap { ptr, len } = *self {
+        if let Region::Heap { ptr, len } = *self {
             let layout =
                 Layout::from_size_align(len.max(1), TENSOR_ALIGN).expect("checked at alloc");
             // SAFETY: allocated in `alloc` with this layout.
@@ -134,10 +135,10 @@ fn oom() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::OutOfMemory, "out of memory")
 }
 
-/// The bytes of one tensor: a range of a shared [`Storage`] that keeps it alive.
+/// The bytes of one tensor: a range of a shared [`Region`] that keeps it alive.
 #[derive(Clone)]
 pub struct TensorBytes {
-    storage: Option<Arc<Storage>>,
+    storage: Option<Arc<Region>>,
     offset: usize,
     len: usize,
 }
@@ -151,7 +152,7 @@ impl TensorBytes {
         }
     }
 
-    pub fn new(storage: Arc<Storage>, offset: usize, len: usize) -> Self {
+    pub fn new(storage: Arc<Region>, offset: usize, len: usize) -> Self {
         assert!(
             offset
                 .checked_add(len)
@@ -190,7 +191,7 @@ impl TensorBytes {
     /// What keeps memory owned elsewhere alive ([`Fresh::external`]); None for our own memory.
     pub fn keep(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
         match self.storage.as_deref() {
-            Some(Storage::External { keep, .. }) => Some(keep.as_ref()),
+            Some(Region::External { keep, .. }) => Some(keep.as_ref()),
             _ => None,
         }
     }
@@ -240,7 +241,7 @@ impl Fresh {
         keep: Box<dyn std::any::Any + Send + Sync>,
     ) -> Fresh {
         let ptr = NonNull::new(ptr).unwrap_or(NonNull::dangling());
-        let storage = Storage::External { ptr, len, keep };
+        let storage = Region::External { ptr, len, keep };
         Fresh(TensorBytes::new(Arc::new(storage), 0, len))
     }
 }
@@ -256,7 +257,7 @@ pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<Fresh>> {
             if pending.is_empty() {
                 return Ok::<(), std::io::Error>(());
             }
-            let storage = Arc::new(Storage::alloc(*arena_len)?);
+            let storage = Arc::new(Region::alloc(*arena_len)?);
             for &(i, offset) in pending.iter() {
                 out[i] = TensorBytes::new(storage.clone(), offset, sizes[i]);
             }
@@ -270,7 +271,7 @@ pub fn allocate(sizes: &[usize]) -> std::io::Result<Vec<Fresh>> {
             continue;
         }
         if len >= OWN_ALLOCATION_BYTES {
-            out[i] = TensorBytes::new(Arc::new(Storage::alloc(len)?), 0, len);
+            out[i] = TensorBytes::new(Arc::new(Region::alloc(len)?), 0, len);
             continue;
         }
         let offset = arena_len.next_multiple_of(TENSOR_ALIGN);

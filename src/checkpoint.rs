@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::slice::SlicePlan;
 use crate::source::{self, ReadOptions, Source, Target, Tensors};
-use crate::storage::{self, Backend, Strategy};
+use crate::strategy::{self, Backend, Strategy};
 
 /// What one read did: the backend that ran, its workers and request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -228,7 +228,7 @@ impl Checkpoint {
             // Into existing memory, from a local file: a copy from the page cache when warm;
             // cold, uncached reads, which keep the disk's queue full where buffered reads wait
             // on readahead a window at a time (measured: README, "Reading into a model").
-            (Strategy::Mmap, Some(cached)) if cached < storage::COLD_BELOW => Strategy::Direct,
+            (Strategy::Mmap, Some(cached)) if cached < strategy::COLD_BELOW => Strategy::Direct,
             (Strategy::Mmap, _) => Strategy::Pread,
             (s, _) => s,
         };

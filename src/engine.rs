@@ -12,7 +12,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::backing::Backing;
-use crate::buffer::Storage;
+use crate::buffer::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment, Transform};
 use crate::platform::{self, Uncached};
@@ -79,7 +79,7 @@ impl<'a> Files<'a> {
 /// scratch buffer for chunks that convert.
 struct Worker<'a> {
     files: Files<'a>,
-    bounce: Option<Storage>,
+    bounce: Option<Region>,
     scratch: Vec<u8>,
     direct_refused: &'a AtomicBool,
     /// Set when the read is stopped (Ctrl-C, another worker's error): remote reads give up.
@@ -192,14 +192,14 @@ impl<'a> Worker<'a> {
         let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
         let span = (end - start) as usize;
         if self.bounce.as_ref().is_none_or(|b| b.len() < span) {
-            self.bounce = Some(Storage::alloc_mapped(span).map_err(|e| (0, e))?);
+            self.bounce = Some(Region::alloc_mapped(span).map_err(|e| (0, e))?);
         }
         let head = (chunk.offset - start) as usize;
         let need = head + chunk.len;
         let bounce = self
             .bounce
             .as_mut()
-            .and_then(Storage::as_bytes_mut)
+            .and_then(Region::as_bytes_mut)
             .expect("a mapped bounce buffer, allocated above");
         let mut got = 0usize;
         while got < need {

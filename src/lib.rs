@@ -30,7 +30,7 @@ mod shares;
 mod slice;
 mod source;
 mod staging;
-mod storage;
+mod strategy;
 mod stream;
 
 #[cfg(feature = "python")]
@@ -43,4 +43,4 @@ pub use error::{Error, Result};
 pub use header::{Header, HeaderError, TensorInfo, byte_size, header_len, parse as parse_header};
 pub use serialize::{TensorIn, to_bytes, to_file};
 pub use source::{ReadOptions, Source};
-pub use storage::{Backend, Strategy};
+pub use strategy::{Backend, Strategy};

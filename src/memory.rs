@@ -2,7 +2,7 @@
 //! the headroom of the cgroup it runs in (a Kubernetes pod, a Slurm job), and what
 //! `SAFELOAD_MEMORY_LIMIT` leaves of what safeload holds. Every budget reads it from here: the
 //! pool of freed memory ([`crate::pool`]), the cold-read switch to uncached reads
-//! ([`crate::storage::direct_above`]), the read-ahead ([`crate::readahead`]), and the check that
+//! ([`crate::strategy::direct_above`]), the read-ahead ([`crate::readahead`]), and the check that
 //! a load into owned memory fits before it reads anything ([`crate::pool::ensure_fits`]).
 //!
 //! The cgroup is found as the kernel describes it: the process's path in `/proc/self/cgroup`

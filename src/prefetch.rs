@@ -70,8 +70,8 @@ fn item(info: &TensorInfo, rows: Rows) -> Result<TensorInfo> {
         return Err(bad("a 0-d tensor cannot be sliced (use None)".into()));
     };
     let dim = dim as i64;
-    let resolve = |v: i64| if v < 0 { v + dim } else { v };
-    let (begin, end) = (resolve(start.unwrap_or(0)), resolve(stop.unwrap_or(dim)));
+    let from_end = |v: i64| if v < 0 { v + dim } else { v };
+    let (begin, end) = (from_end(start.unwrap_or(0)), from_end(stop.unwrap_or(dim)));
     if begin < 0 || end < 0 || begin > dim || end > dim {
         let show = |v: Option<i64>| v.map_or(String::new(), |v| v.to_string());
         return Err(bad(format!(

@@ -119,7 +119,7 @@ mod tests {
     use super::*;
     use crate::serialize;
     use crate::source::ReadOptions;
-    use crate::storage::Backend;
+    use crate::strategy::Backend;
 
     #[test]
     fn batches_in_file_order_bounded_and_stoppable() {

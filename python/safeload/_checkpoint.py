@@ -15,7 +15,7 @@ from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url, sha
 Progress = Callable[[int, int], None]
 
 
-def resolve(path_or_paths: Any, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
+def checkpoint_files(path_or_paths: Any, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
     """The shard files of a checkpoint, in a stable order (URLs: resolved in Rust)."""
     if isinstance(path_or_paths, (list, tuple)):
         return [os.fspath(p) for p in path_or_paths]
@@ -67,7 +67,7 @@ def load_checkpoint(
     batches to report), False for none; by default a bar is shown for multi-shard checkpoints
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
     :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
-    paths = resolve(path_or_paths, storage_options)
+    paths = checkpoint_files(path_or_paths, storage_options)
     if progress is None:
         progress = _wants_bar(paths) or None
     elif progress is False:
@@ -144,7 +144,7 @@ def iter_checkpoint(
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
     into a model tensor by tensor."""
-    paths = resolve(path_or_paths, storage_options)
+    paths = checkpoint_files(path_or_paths, storage_options)
     convert, _ = _converter(framework, device)
     ckpt = Checkpoint(paths, resolve_backend(backend), threads=threads, chunk_bytes=chunk_bytes,
                       drop_cache=drop_cache, storage_options=storage_options)

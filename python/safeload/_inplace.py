@@ -1,4 +1,4 @@
-"""Reading a checkpoint straight into tensors that already exist: ``load_into`` and the direct
+"""Reading a checkpoint straight into tensors that already exist: ``load_into`` and the in-place
 path of ``load_model``.
 
 A model's CPU parameters and buffers are handed to the Rust reader as DLPack (no addresses), and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._checkpoint import resolve
+from ._checkpoint import checkpoint_files
 from ._frameworks import torch_many, torch_shape
 from ._open import DEFAULT_BACKEND, resolve_backend
 from ._stats import Stats
@@ -29,7 +29,7 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
     match (checked before anything is read). Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), threads=threads,
+    ckpt = Checkpoint(checkpoint_files(path_or_paths), resolve_backend(backend), threads=threads,
                       chunk_bytes=chunk_bytes, drop_cache=drop_cache)
     try:
         return _read_into(ckpt, tensors)
@@ -84,7 +84,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     if _custom_loading(model):
         return None
     state = model.state_dict()
-    ckpt = Checkpoint(resolve(path_or_paths), resolve_backend(backend), **kwargs)
+    ckpt = Checkpoint(checkpoint_files(path_or_paths), resolve_backend(backend), **kwargs)
     try:
         infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
         to_removes = _remove_duplicate_names(state, preferred_names=list(infos))

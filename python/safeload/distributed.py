@@ -24,7 +24,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _device, _logging
-from ._checkpoint import resolve
+from ._checkpoint import checkpoint_files
 from ._frameworks import to_torch, torch_dtype, torch_shape
 from ._open import Stats, resolve_backend
 from . import _safeload
@@ -264,7 +264,7 @@ def load_checkpoint(
     ckpt: Any = None
     try:
         dev = _device.torch_device(target)
-        paths = resolve(path_or_paths)
+        paths = checkpoint_files(path_or_paths)
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
         digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
@@ -314,7 +314,7 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
     stats = Stats(backend)  # nothing read yet; each file's handle adds its own
     error: Optional[BaseException] = None
     try:
-        paths = resolve(path_or_paths)
+        paths = checkpoint_files(path_or_paths)
         wanted = dict(plan)
         for p in paths:
             if not wanted:

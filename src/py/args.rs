@@ -10,7 +10,7 @@ use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::slice::{Bounds, Index};
 use crate::source::ReadOptions;
-use crate::storage::Backend;
+use crate::strategy::Backend;
 
 /// (name, dtype code, shape, bytes): what Python turns into a tensor.
 pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);

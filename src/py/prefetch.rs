@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::prefetch::{self, Rows};
 use crate::readahead::{Mode, ReadAhead};
 use crate::source::{self, ReadOptions, Source};
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 /// A plan dict (`name -> None | slice`), in the dict's order.
 pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows)>> {

@@ -33,7 +33,7 @@ use crate::buffer::{Fresh, TensorBytes};
 use crate::error::Result;
 use crate::header::TensorInfo;
 use crate::source::{self, ReadOptions, Source};
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 mod budget;
 mod provided;

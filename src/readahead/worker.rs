@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::header::TensorInfo;
 use crate::platform;
 use crate::source::{self, ReadOptions, Source};
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 use super::{BATCH_WORKERS, Mode, ReadAhead, Shared, Slot, State, WAIT};
 

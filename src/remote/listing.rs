@@ -20,7 +20,7 @@ pub fn checkpoint_urls(url: &str, options: &Options) -> io::Result<Vec<String>> 
     if url.ends_with(".safetensors") || url.starts_with("http://") || url.starts_with("https://") {
         return Ok(vec![url.to_string()]);
     }
-    let (store, prefix) = store::resolve(url, options)?;
+    let (store, prefix) = store::locate(url, options)?;
     let names = store::runtime()
         .block_on(list(store.as_ref(), &prefix))
         .map_err(|e| to_io(url, e))?;

@@ -40,7 +40,7 @@ pub type Partial = (usize, io::Error);
 impl Object {
     /// Opens `url`: one GET of its first bytes gives the object's size and its start.
     pub fn open(url: &str, options: &Options) -> io::Result<(Object, Vec<u8>)> {
-        let (store, location) = store::resolve(url, options)?;
+        let (store, location) = store::locate(url, options)?;
         let get = GetOptions {
             range: Some(GetRange::Bounded(0..PROBE_BYTES)),
             ..GetOptions::default()
@@ -150,7 +150,7 @@ impl Object {
 
     /// The whole object, for small ones (index.json).
     pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
-        let (store, location) = store::resolve(url, options)?;
+        let (store, location) = store::locate(url, options)?;
         let bytes = store::runtime()
             .block_on(async {
                 store

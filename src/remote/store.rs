@@ -34,7 +34,7 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
 
 /// The store serving `url` and the object's path in it; stores are kept for the process, one per
 /// scheme, bucket (or host) and options, so shards and later loads reuse their connections.
-pub fn resolve(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
+pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
     let parsed = Url::parse(url).map_err(|e| invalid(format!("{url}: not a URL ({e})")))?;
     let (scheme, path) =
         ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;

@@ -10,12 +10,13 @@ use std::path::{Path, PathBuf};
 pub use crate::backing::Backing;
 use std::sync::{Arc, OnceLock};
 
-use crate::buffer::{self, Storage, TensorBytes};
+use crate::buffer::{self, Region, TensorBytes};
 use crate::engine::{self, Input, Settings};
 use crate::error::{Error, Result};
 use crate::header::{self, Header, TensorInfo};
+use crate::platform::FsKind;
 use crate::platform::{self, Uncached};
-use crate::storage::{self, Backend, FsKind, Strategy};
+use crate::strategy::{self, Backend, Strategy};
 
 mod ranges;
 mod remote;
@@ -42,7 +43,7 @@ pub struct Source {
     pub file_len: u64,
     pub header: Header,
     pub kind: FsKind,
-    map: OnceLock<Arc<Storage>>,
+    map: OnceLock<Arc<Region>>,
     direct: OnceLock<Option<Uncached>>,
 }
 
@@ -114,15 +115,19 @@ impl Source {
             Backend::Direct => (Strategy::Direct, None),
             Backend::Auto | Backend::Mmap => {
                 let cached = self.backing.file().and_then(|file| {
-                    storage::cached_fraction(file, self.header.data_start(), self.header.data_len())
+                    strategy::cached_fraction(
+                        file,
+                        self.header.data_start(),
+                        self.header.data_len(),
+                    )
                 });
                 let available = crate::memory::available();
-                let strategy = storage::choose(
+                let strategy = strategy::choose(
                     self.kind,
                     cached,
                     self.header.data_len(),
-                    storage::direct_above(available),
-                    storage::auto_may_map(),
+                    strategy::direct_above(available),
+                    strategy::auto_may_map(),
                     available,
                 );
                 (strategy, cached)
@@ -185,7 +190,7 @@ impl Source {
         ))
     }
 
-    fn mapping(&self) -> Result<Arc<Storage>> {
+    fn mapping(&self) -> Result<Arc<Region>> {
         if let Some(map) = self.map.get() {
             return Ok(map.clone());
         }
@@ -201,7 +206,7 @@ impl Source {
         let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }.map_err(open_err)?;
         // Faults read ahead further (what safetensors 0.8 advises on its maps too).
         platform::advise_sequential(file);
-        Ok(self.map.get_or_init(|| Arc::new(Storage::Map(map))).clone())
+        Ok(self.map.get_or_init(|| Arc::new(Region::Map(map))).clone())
     }
 
     fn read_err(&self, info: &TensorInfo, source: std::io::Error) -> Error {
@@ -223,7 +228,7 @@ pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
     let remote = sources.iter().any(|s| s.backing.is_remote());
     opts.chunk_bytes.unwrap_or_else(|| match remote {
         true => remote::CHUNK_BYTES,
-        false => storage::chunk_bytes_for(kind.unwrap_or(FsKind::Local)),
+        false => strategy::chunk_bytes_for(kind.unwrap_or(FsKind::Local)),
     })
 }
 
@@ -247,7 +252,7 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
             let in_flight = network
                 .and_then(|s| s.backing.file())
                 .and_then(platform::fuse_requests_in_flight);
-            storage::threads_for(kind, cores, in_flight)
+            strategy::threads_for(kind, cores, in_flight)
         }),
         own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,
     }

@@ -7,13 +7,13 @@ use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::plan::Plan;
 use crate::slice::SlicePlan;
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 use super::{ReadOptions, Source, chunk_bytes, settings};
 
 /// Slices with runs at least this long are read straight into the output; shorter runs are
 /// gathered from one read of the span around them.
-const DIRECT_RUN_BYTES: usize = 64 << 10;
+const IN_PLACE_RUN_BYTES: usize = 64 << 10;
 /// Small runs closer than this are read together.
 const GATHER_GAP_BYTES: usize = 16 << 10;
 
@@ -32,7 +32,7 @@ impl Source {
             .pop()
             .expect("one size, one buffer");
         let base = self.header.data_start() + info.begin as u64;
-        let mut direct = Plan::new(chunk_bytes(&[self], opts));
+        let mut in_place = Plan::new(chunk_bytes(&[self], opts));
         // Small runs: (file offset, destination), gathered by span below.
         let mut small: Vec<(u64, &mut [u8])> = Vec::new();
         let mut rest: &mut [u8] = out.as_mut_slice();
@@ -41,8 +41,9 @@ impl Source {
                 let at = base + (row.offset + r * row.stride_bytes) as u64;
                 let (dest, tail) = std::mem::take(&mut rest).split_at_mut(row.run_bytes);
                 rest = tail;
-                if row.run_bytes >= DIRECT_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096) {
-                    direct.add(0, at, dest, &info.name);
+                if row.run_bytes >= IN_PLACE_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096)
+                {
+                    in_place.add(0, at, dest, &info.name);
                 } else {
                     small.push((at, dest));
                 }
@@ -50,11 +51,11 @@ impl Source {
         }
         let mut report = engine::execute(
             &[self.input(Strategy::Pread)],
-            &direct,
+            &in_place,
             settings(&[self], opts),
             poll,
         )?;
-        drop(direct);
+        drop(in_place);
         report.bytes += self.gather_small(info, &mut small)?;
         Ok((out.into_shared(), report))
     }

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "remote")]
 use crate::header;
 #[cfg(feature = "remote")]
-use crate::storage::FsKind;
+use crate::platform::FsKind;
 
 /// Workers for objects in a store: requests in flight, each waiting on a round trip.
 pub const THREADS: usize = 32;

@@ -7,7 +7,7 @@ use crate::engine::{self, Input, Report};
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::plan::Plan;
-use crate::storage::{self, Strategy};
+use crate::strategy::{self, Strategy};
 
 use super::{ReadOptions, Source, chunk_bytes, settings};
 
@@ -79,7 +79,7 @@ pub fn read_targets(
         sources
             .iter()
             .filter_map(|s| s.backing.file())
-            .for_each(storage::drop_cached);
+            .for_each(strategy::drop_cached);
     }
     Ok(report)
 }

@@ -362,7 +362,7 @@ pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     let file = std::fs::File::open(&path).map_err(open_err)?;
     let len = file.metadata().map_err(open_err)?.len();
     Ok((
-        crate::storage::cached_fraction(&file, 0, len),
-        crate::storage::FsKind::of(&file, &path).name(),
+        crate::strategy::cached_fraction(&file, 0, len),
+        crate::platform::FsKind::of(&file, &path).name(),
     ))
 }

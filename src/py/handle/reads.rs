@@ -13,7 +13,7 @@ use crate::py::dlpack::Destinations;
 use crate::py::errors::detached;
 use crate::py::stats::Stats;
 use crate::readahead::Mode;
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 impl Handle {
     /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,

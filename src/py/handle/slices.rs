@@ -13,7 +13,7 @@ use crate::py::bytes::Bytes;
 use crate::py::errors::detached;
 use crate::readahead::Mode;
 use crate::slice;
-use crate::storage::Strategy;
+use crate::strategy::Strategy;
 
 impl Handle {
     /// `read_slice`: (dtype, shape, bytes) of `plan` in tensor `info`, only the needed byte

@@ -1,11 +1,12 @@
-//! What the file lives on, and the backend that reads it fastest: filesystem kind (`fstatfs`),
-//! page-cache residency (`mincore`), and available memory.
+//! The backend asked for and the strategy that reads a file fastest, from what it lives on
+//! (`platform::FsKind`), its page-cache residency (`mincore`) and available memory; workers
+//! and request sizes per filesystem.
 
 use std::fs::File;
 
 use crate::platform;
 
-pub use crate::platform::FsKind;
+use crate::platform::FsKind;
 
 /// Fraction (0..=1) of `len` bytes from `offset` that sit in the page cache, sampled (see
 /// [`platform::cached_fraction`]); None when it cannot be told.
