@@ -166,6 +166,14 @@ impl Checkpoint {
         self.stats(latest.unwrap_or_else(|| self.strategy()), &report)
     }
 
+    /// [`Checkpoint::totals`] without probing the storage to resolve the backend: when nothing
+    /// has resolved it (a handle closed before any read), the backend shows as pread.
+    pub fn totals_unprobed(&self) -> ReadStats {
+        let (report, latest) = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        let resolved = || self.resolved.get().map(|_| self.strategy());
+        self.stats(latest.or_else(resolved).unwrap_or(Strategy::Pread), &report)
+    }
+
     fn record(&self, backend: Strategy, report: &Report) -> ReadStats {
         if report.direct_refused {
             self.direct_refused.store(true, Ordering::Relaxed);

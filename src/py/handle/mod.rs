@@ -71,7 +71,7 @@ impl Handle {
     fn latest(&self) -> ReadStats {
         let open = self.open.read().unwrap_or_else(|p| p.into_inner());
         match &*open {
-            Some(ckpt) => self.totals(ckpt),
+            Some(ckpt) => self.totals(ckpt, true),
             None => self
                 .closed
                 .lock()
@@ -80,9 +80,14 @@ impl Handle {
         }
     }
 
-    /// Totals of the checkpoint's reads, the read-ahead's added.
-    fn totals(&self, ckpt: &Checkpoint) -> ReadStats {
-        let mut t = ckpt.totals();
+    /// Totals of the checkpoint's reads, the read-ahead's added; `probe`: resolve the backend
+    /// when nothing has (not at close: `open()` + `keys()` probes nothing).
+    fn totals(&self, ckpt: &Checkpoint, probe: bool) -> ReadStats {
+        let mut t = if probe {
+            ckpt.totals()
+        } else {
+            ckpt.totals_unprobed()
+        };
         if let Some(Some(a)) = self.ahead.get() {
             let ahead = a.totals();
             t.bytes += ahead.bytes_read;
@@ -181,7 +186,7 @@ impl Handle {
             return;
         };
         // Under the write lock: `latest` sees the handle open or these totals.
-        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.totals(&ckpt));
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.totals(&ckpt, false));
         drop(open);
         if Arc::strong_count(&self.ahead) == 1
             && let Some(Some(ahead)) = self.ahead.get()
