@@ -108,7 +108,6 @@ def _nbytes(args, kwargs):
 def fake_mps(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(_mps, "alias_usable", None)
-    monkeypatch.setattr(_mps, "last_path", None)
 
     real_device = _device.torch_device
     monkeypatch.setattr(_device, "torch_device",
@@ -207,7 +206,7 @@ def assert_same(got, ref):
 def check_alias_load(rec, expected_bytes, chunk_bytes=None):
     """Every byte written once, straight into aliased destinations, between two synchronizes;
     nothing read into host memory, no host buffer above a chunk."""
-    assert _mps.last_path == "alias"
+    assert rec.kinds("alias") or not expected_bytes  # the alias path (not host memory + .to)
     writes = rec.writes
     assert sum(n for _, _, n in writes) == expected_bytes
     for kind in ("host_read", "to"):
@@ -286,7 +285,6 @@ def check_read_ahead(rec, got, ref):
     """Tensors the read-ahead handed over: each allocated on the device once and written through
     its alias by the reader (no per-tensor read_into, no host read, no host copy, no .to), each
     returned tensor the memory that was aliased, a synchronize before any of it was handed out."""
-    assert _mps.last_path == "alias"
     for kind in ("host_read", "to", "read_into"):
         assert not rec.kinds(kind), rec.kinds(kind)
     assert [e for e in rec.kinds("host_alloc") if e[1]] == []
@@ -368,7 +366,7 @@ def test_read_ahead_falls_back_when_the_alias_raises(write_st, fake_mps):
     fake_mps.alias_error = RuntimeError("getHostAliasStorage: storage is not backed by shared memory")
     with safeload.safe_open(path, "pt", device="mps") as f:
         got = {name: f.get_tensor(name) for name in reversed(f.keys())}
-    assert _mps.last_path == "fallback" and _mps.alias_usable is False
+    assert fake_mps.kinds("to") and _mps.alias_usable is False
     assert_same(got, ref)
 
 
@@ -398,7 +396,7 @@ def test_large_tensor_no_host_copy(write_st, fake_mps):
     fake_mps.alias_error = RuntimeError("not a shared-storage MTLBuffer")
     with safeload.safe_open(path, "pt", device="mps", chunk_bytes=chunk) as f:
         got = f.get_tensors()
-    assert _mps.last_path == "fallback" and fake_mps.max_host_alloc >= big.nbytes
+    assert fake_mps.kinds("to") and fake_mps.max_host_alloc >= big.nbytes
     assert_same(got, st_torch.load_file(path))
 
 
@@ -473,7 +471,7 @@ def test_fallback_when_alias_raises(write_st, fake_mps):
     fake_mps.clear()
     with safeload.safe_open(path, "pt", device="mps") as f:
         got = f.get_tensors()
-        assert _mps.last_path == "fallback" and _mps.alias_usable is False
+        assert fake_mps.kinds("to") and _mps.alias_usable is False
         assert len(fake_mps.kinds("alias")) == 1  # probed on the first tensor, then given up
         first_write = [e[0] for e in fake_mps.events].index("read_into")
         assert "alias" not in [e[0] for e in fake_mps.events[first_write:]]
@@ -482,7 +480,7 @@ def test_fallback_when_alias_raises(write_st, fake_mps):
         # Probed once per process: later loads go straight to the host path.
         fake_mps.clear()
         assert_tensor_equal(f.get_tensor("big"), ref["big"])
-        assert fake_mps.kinds("alias") == [] and _mps.last_path == "fallback"
+        assert fake_mps.kinds("alias") == [] and fake_mps.kinds("to")
     assert_same(safeload.torch.load_checkpoint(path, device="mps"), ref)
 
 
@@ -492,7 +490,7 @@ def test_fallback_without_alias(write_st, fake_mps, monkeypatch):
     fake_mps.clear()
     got = safeload.torch.load_file(path, device="mps")
     assert_same(got, st_torch.load_file(path))
-    assert _mps.last_path == "fallback" and fake_mps.kinds("device_alloc") == []
+    assert fake_mps.kinds("to") and fake_mps.kinds("device_alloc") == []
 
 
 @pytest.mark.parametrize("lie", ["short", "null", "device"])
@@ -509,7 +507,7 @@ def test_fallback_when_alias_looks_wrong(write_st, fake_mps, lie):
     fake_mps.clear()
     got = safeload.torch.load_file(path, device="mps")
     assert_same(got, st_torch.load_file(path))
-    assert _mps.last_path == "fallback" and _mps.alias_usable is False
+    assert fake_mps.kinds("to") and _mps.alias_usable is False
 
 
 def test_fallback_when_device_allocation_fails(write_st, fake_mps):
@@ -521,7 +519,7 @@ def test_fallback_when_device_allocation_fails(write_st, fake_mps):
     fake_mps.clear()
     got = safeload.torch.load_file(path, device="mps")
     assert_same(got, st_torch.load_file(path))
-    assert _mps.last_path == "fallback" and _mps.alias_usable is True
+    assert fake_mps.kinds("to") and _mps.alias_usable is True
     fake_mps.empty_error = None
     fake_mps.clear()
     got = safeload.torch.load_file(path, device="mps")

@@ -40,8 +40,6 @@ Progress = Callable[[int, int], None]
 #: None: not probed yet in this process; True: the alias worked; False: torch lacks it or it
 #: raised, so MPS loads go through host memory (tests reset it).
 alias_usable: Optional[bool] = None
-#: "alias" or "fallback": which path the most recent MPS load took (tests and logs read it).
-last_path: Optional[str] = None
 
 
 def _alias_function(torch: Any) -> Optional[Callable[[Any], Any]]:
@@ -82,7 +80,6 @@ def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Calla
     nothing it keeps, when any of them fails (those tensors are then read the fallback way)."""
 
     def allocate(items: Sequence[Tuple[str, str, List[int], int]]) -> Optional[List[Tuple[Any, Any]]]:
-        global last_path
         pairs: List[Tuple[Any, Any]] = []
         try:
             for name, code, shape, nbytes in items:
@@ -93,7 +90,6 @@ def _allocator(torch: Any, alias_fn: Callable[[Any], Any], device: Any) -> Calla
                 logger.debug("MPS: device allocation failed (%s); reading on demand", e)
             return None
         _synchronize(torch)  # no GPU work may still touch the (recycled) buffers
-        last_path = "alias"
         return pairs
 
     return allocate
@@ -129,7 +125,7 @@ def load(
     tensors on ``device`` through host aliases. Returns the tensors in file order and what the
     load did, or None, having read nothing, when the alias path is not usable here (the caller
     falls back)."""
-    global alias_usable, last_path
+    global alias_usable
     import torch
 
     started = time.perf_counter()
@@ -139,7 +135,6 @@ def load(
             logger.debug("MPS: torch %s has no torch.mps._host_alias_storage; loading through "
                          "host memory", torch.__version__)
         alias_usable = False
-        last_path = "fallback"
         return None
 
     # Every destination and alias before any read: a failure here costs no I/O.
@@ -160,7 +155,6 @@ def load(
             logger.debug("MPS: device allocation failed (%s); loading through host memory", e)
         out.clear()
         aliases.clear()
-        last_path = "fallback"
         return None
 
     total = sum(t.nbytes for infos in wanted for t in infos)
@@ -176,7 +170,6 @@ def load(
             progress(done, total)
     _synchronize(torch)  # the host writes are visible before any GPU work reads them
     aliases.clear()
-    last_path = "alias"
 
     stats.bytes = total
     stats.tensors = len(out)
