@@ -96,6 +96,7 @@ CONTENDERS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "sl_get_tensors": ("safeload safe_open(backend='pread').get_tensors()", "all", _ALL),
     "sl_prefetch": ("safeload prefetch() (safetensors 0.9 API), then take(k) in a random order", "all", _ALL),
     "sl_prefetch_pread": ("safeload backend='pread': prefetch(), then take(k) in a random order", "all", _ALL),
+    "sl_prefetch_direct": ("safeload backend='direct': prefetch(), then take(k) in a random order", "all", _ALL),
     "sl_auto": ("safeload safe_open(backend='auto').get_tensors() (backend chosen per file)", "all", _ALL),
     "sl_mmap_clone": ("safeload mmap: get_tensor(k).clone()", "all", _ALL),
     "sl_load_checkpoint": ("safeload.torch.load_checkpoint(index.json, backend='pread')", "sharded", _ALL),
@@ -324,10 +325,10 @@ def _loader(name: str, spec: Dict[str, Any], meta: Dict[str, Any]) -> Callable[[
                     with ThreadPoolExecutor(4) as pool:
                         out.update(zip(slices, pool.map(lambda s: s[...], slices.values())))
             return out
-    elif name in ("sl_prefetch", "sl_prefetch_pread"):
+    elif name in ("sl_prefetch", "sl_prefetch_pread", "sl_prefetch_direct"):
         import random
 
-        backend = "pread" if name == "sl_prefetch_pread" else "auto"
+        backend = {"sl_prefetch_pread": "pread", "sl_prefetch_direct": "direct"}.get(name, "auto")
 
         def run() -> Dict[str, Any]:
             out: Dict[str, Any] = {}

@@ -36,6 +36,7 @@ pub type Entry<'c> = (usize, &'c TensorInfo);
 pub struct Checkpoint {
     /// Shared with what outlives a read: read-ahead, prefetch loaders.
     pub shards: Vec<Arc<Source>>,
+    /// Name -> (shard, tensor) when there are several shards.
     index: HashMap<String, (usize, usize)>,
     backend: Backend,
     opts: ReadOptions,
@@ -64,8 +65,10 @@ impl Checkpoint {
             .iter()
             .map(|p| Source::open_with(p, store).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
+        // One file: its header's own index serves (see `get`).
+        let several = if shards.len() > 1 { &shards[..] } else { &[] };
         let mut index = HashMap::new();
-        for (s, shard) in shards.iter().enumerate() {
+        for (s, shard) in several.iter().enumerate() {
             for (t, info) in shard.header.tensors.iter().enumerate() {
                 if let Some((first, _)) = index.insert(info.name.clone(), (s, t)) {
                     return Err(Error::Checkpoint(format!(
@@ -97,7 +100,11 @@ impl Checkpoint {
     }
 
     pub fn get(&self, name: &str) -> Result<Entry<'_>> {
-        let &(s, t) = self.index.get(name).ok_or_else(|| Error::TensorNotFound {
+        let found = match &self.shards[..] {
+            [one] => one.header.index_of(name).map(|t| (0, t)),
+            _ => self.index.get(name).copied(),
+        };
+        let (s, t) = found.ok_or_else(|| Error::TensorNotFound {
             name: name.to_string(),
         })?;
         Ok((s, &self.shards[s].header.tensors[t]))

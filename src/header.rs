@@ -298,13 +298,12 @@ impl<'de> Deserialize<'de> for RawHeader {
                         metadata = map.next_value::<Option<MetadataMap>>()?.map(|m| m.0);
                         continue;
                     }
-                    if names.contains(&key) {
+                    if !names.insert(key.clone()) {
                         return Err(de::Error::custom(format!(
                             "{DUPLICATE_MARKER}{key}{DUPLICATE_END}"
                         )));
                     }
                     let raw: RawTensor = map.next_value()?;
-                    names.insert(key.clone());
                     tensors.push(TensorInfo {
                         name: key,
                         dtype: raw.dtype,
