@@ -1,4 +1,6 @@
-//! `Handle`: one open file, as the Python `safe_open` uses it. Here its state and the one
+//! `Handle`: one open file as the Python `safe_open` uses it: a shard of a
+//! [`crate::Checkpoint`] (a one-shard checkpoint of its own when opened by path, or one of a
+//! checkpoint's, from `Checkpoint.handles`), whose reads it converts. Here its state and the one
 //! `#[pymethods]` block, whose methods convert arguments; what they read is in `reads` (whole
 //! tensors), `slices` (parts of one) and `ahead` (the read-ahead, `take_into`, `prefetch`).
 
