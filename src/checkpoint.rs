@@ -40,6 +40,8 @@ pub struct Checkpoint {
     index: HashMap<String, (usize, usize)>,
     backend: Backend,
     opts: ReadOptions,
+    /// The request size reads use (the caller's, else one suited to the slowest shard).
+    chunk_bytes: usize,
     /// The first shard's resolution of `backend` and the residency measured for it: probed once.
     resolved: OnceLock<(Strategy, Option<f64>)>,
     /// Uncached reads were asked for and the filesystem refused them: reads are buffered since.
@@ -80,11 +82,14 @@ impl Checkpoint {
                 }
             }
         }
+        let chunk_bytes =
+            source::chunk_bytes(&shards.iter().map(|s| &**s).collect::<Vec<_>>(), &opts);
         Ok(Checkpoint {
             shards,
             index,
             backend,
             opts,
+            chunk_bytes,
             resolved: OnceLock::new(),
             direct_refused: AtomicBool::new(false),
             totals: Mutex::new((Report::default(), None)),
@@ -121,6 +126,21 @@ impl Checkpoint {
             .collect::<Result<Vec<_>>>()?;
         picked.sort_by_key(|(s, t)| (*s, t.begin));
         Ok(picked)
+    }
+
+    /// The named tensors of shard `shard` alone (every one when `names` is None), in offset
+    /// order: what a handle on one file of the checkpoint reads.
+    pub fn select_in(&self, shard: usize, names: Option<&[String]>) -> Result<Vec<Entry<'_>>> {
+        let source = &self.shards[shard];
+        let mut picked = match names {
+            None => source.header.tensors.iter().collect(),
+            Some(names) => names
+                .iter()
+                .map(|n| source.tensor(n))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        picked.sort_by_key(|t| t.begin);
+        Ok(picked.into_iter().map(|t| (shard, t)).collect())
     }
 
     /// Cuts a selection (in file order) into batches of at most `max_bytes` (a tensor larger
@@ -169,16 +189,22 @@ impl Checkpoint {
     /// Totals of this checkpoint's reads so far (see [`ReadStats`]); nothing read yet: zeros,
     /// with the backend reads will use.
     pub fn totals(&self) -> ReadStats {
-        let (report, latest) = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        self.stats(latest.unwrap_or_else(|| self.strategy()), &report)
+        self.totals_or(|| self.strategy())
     }
 
     /// [`Checkpoint::totals`] without probing the storage to resolve the backend: when nothing
     /// has resolved it (a handle closed before any read), the backend shows as pread.
     pub fn totals_unprobed(&self) -> ReadStats {
+        self.totals_or(|| match self.resolved.get() {
+            Some(_) => self.strategy(),
+            None => Strategy::Pread,
+        })
+    }
+
+    /// The totals, with `unread()` as the backend when no read has run yet.
+    fn totals_or(&self, unread: impl FnOnce() -> Strategy) -> ReadStats {
         let (report, latest) = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        let resolved = || self.resolved.get().map(|_| self.strategy());
-        self.stats(latest.or_else(resolved).unwrap_or(Strategy::Pread), &report)
+        self.stats(latest.unwrap_or_else(unread), &report)
     }
 
     fn record(&self, backend: Strategy, report: &Report) -> ReadStats {
@@ -205,7 +231,7 @@ impl Checkpoint {
                 backend
             },
             threads: report.threads,
-            chunk_bytes: source::chunk_bytes(&self.sources(), &self.opts),
+            chunk_bytes: self.chunk_bytes,
             bytes: report.bytes,
             seconds: report.seconds,
             storage: self.shards.first().map_or("local", |s| s.kind.name()),

@@ -164,7 +164,7 @@ def load(
     for source, ranges in enumerate(spans):  # one call per file, read in parallel, file order
         if ranges:
             read = handles[source].read_ranges(ranges)
-            stats.read = read if stats.read is None else stats.read + read
+            stats.add_read(read)
             done += read.bytes_read
         if progress is not None:
             progress(done, total)

@@ -387,7 +387,7 @@ def _load(
             sink.filling(index, slot)
             read = handles[fill.source].read_ranges(
                 [(buf[at:at + length], offset) for offset, length, at in fill.reads])
-            stats.read = read if stats.read is None else stats.read + read
+            stats.add_read(read)
             in_flight[index] = fill.length
             stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
             pairs = []

@@ -35,6 +35,10 @@ class StagingStats:
         #: when it read nothing (empty tensors only)
         self.read: Optional[Any] = None
 
+    def add_read(self, read: Any) -> None:
+        """Counts one read of this load (a reader ``Stats``) into :attr:`read`."""
+        self.read = read if self.read is None else self.read + read
+
     @property
     def pinned_bytes(self) -> int:
         return self.staging_bytes if self.pinned else 0

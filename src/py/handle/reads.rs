@@ -54,16 +54,7 @@ impl Handle {
         dtype: Option<Dtype>,
     ) -> PyResult<Vec<TensorTuple>> {
         let ckpt = self.ckpt()?;
-        let header = &ckpt.shards[self.shard].header;
-        let mut entries = match &names {
-            None => header.tensors.iter().collect(),
-            Some(names) => names
-                .iter()
-                .map(|n| ckpt.shards[self.shard].tensor(n))
-                .collect::<Result<Vec<_>, _>>()?,
-        };
-        entries.sort_by_key(|t| t.begin);
-        let entries: Vec<Entry<'_>> = entries.into_iter().map(|t| (self.shard, t)).collect();
+        let entries = ckpt.select_in(self.shard, names.as_deref())?;
         let (out, ran) = read_entries(py, &ckpt, &entries, dtype)?;
         // Views of a map: its pages are made resident ahead of the caller's touches, in file
         // order (not when the tensors were read into memory, converting).
