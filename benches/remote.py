@@ -1,9 +1,10 @@
 """Loading checkpoints from object storage, every server started here on loopback: safeload from
 ``s3://`` (``rclone serve s3``) and ``http://`` (tests/support/range_server.py, with and without
 added latency per request) against boto3 ``get_object`` / urllib + ``safetensors.torch.load``,
-Run:ai's streamer (when installed), and many parallel raw range GETs by ``curl --parallel``
-(the server's own limit). Fresh processes, contenders interleaved, medians of ``--rounds``;
-peak RSS beside each rate.
+Run:ai's streamer (when installed), safetensors 0.8 (``st_fuse``) and safeload (``sl_fuse``)
+reading the same object through a FUSE mount of the bucket (``rclone mount``, where fusermount3
+is installed), and many parallel raw range GETs by ``curl --parallel`` (the server's own limit).
+Fresh processes, contenders interleaved, medians of ``--rounds``; peak RSS beside each rate.
 
     python benches/remote.py [--sizes 0.5,2.5] [--rounds 3] [--latency 0,0.005] [--contenders 'sl_*,boto3']
 
@@ -48,6 +49,16 @@ def _load(spec: Dict[str, Any]) -> int:
         tuning = {"threads": spec.get("threads"), "chunk_bytes": spec.get("chunk_bytes")}
         with safeload.safe_open(url, "pt", storage_options=options, **tuning) as f:
             out = f.get_tensors()
+        return sum(t.nbytes for t in out.values())
+    if name in ("st_fuse", "sl_fuse"):  # the object as a file of the mount, every page touched
+        from bench import _touch
+
+        if name == "st_fuse":
+            import safetensors.torch as loader
+        else:
+            import safeload.torch as loader  # type: ignore[no-redef]
+        out = loader.load_file(spec["fuse_path"])
+        _touch(out)  # 0.8's default maps the file: its reads happen at the touches
         return sum(t.nbytes for t in out.values())
     if name == "boto3":
         import boto3
@@ -105,6 +116,37 @@ def worker(arg: str) -> None:
     print(json.dumps({"seconds": seconds, "bytes": nbytes, "rss_mib": _maxrss_mib(), "rss_growth_mib": _maxrss_mib() - before}))
 
 
+class RcloneMount:
+    """``rclone mount`` of the S3 server's bucket ``bench`` (read only, rclone's defaults:
+    no VFS cache, chunked range reads), where the OS has fusermount3."""
+
+    def __init__(self, s3: Dict[str, Any]) -> None:
+        from s3_server import rclone
+
+        import shutil
+
+        binary = rclone()
+        if binary is None or shutil.which("fusermount3") is None:
+            raise RuntimeError("needs rclone and fusermount3 (apt-get install fuse3)")
+        self.path = tempfile.mkdtemp(prefix="safeload-rclone-mount-")
+        remote = (f":s3,provider=Other,endpoint='{s3['endpoint']}',access_key_id={s3['key']},"
+                  f"secret_access_key={s3['secret']},force_path_style=true:bench")
+        self.proc = subprocess.Popen([binary, "mount", remote, self.path, "--read-only"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("rclone mount did not come up")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        subprocess.run(["fusermount3", "-u", self.path], capture_output=True)
+        self.proc.terminate()
+        self.proc.wait()
+        os.rmdir(self.path)
+
+
 def _sample(data_dir: str) -> str:
     """The 0.5 GiB Llama-shaped BF16 sample (written once)."""
     path = os.path.join(data_dir, "llama-0.5.safetensors")
@@ -145,13 +187,20 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, range_server_py, root, "--latency", latency],
                                 stdout=subprocess.PIPE, text=True)
         http[latency] = (proc, proc.stdout.readline().strip())  # type: ignore[union-attr]
+    mount = None
     try:
         import importlib.util
 
-        names = ["sl_s3", "boto3", "curl_s3", "sl_http", "urllib", "curl_http"]
+        names = ["sl_s3", "boto3", "st_fuse", "sl_fuse", "curl_s3", "sl_http", "urllib", "curl_http"]
         if importlib.util.find_spec("runai_model_streamer"):
             names.insert(2, "runai")
         names = [n for n in names if any(fnmatch.fnmatch(n, pat) for pat in args.contenders.split(","))]
+        if any(n.endswith("_fuse") for n in names):
+            try:
+                mount = RcloneMount(s3_info)
+            except RuntimeError as e:
+                print(f"FUSE contenders skipped: {e}", file=sys.stderr)
+                names = [n for n in names if not n.endswith("_fuse")]
         tunings: List[Dict[str, Any]] = [{}]
         if args.sweep:
             names = [n for n in names if n.startswith("sl_")]
@@ -162,12 +211,14 @@ def main() -> None:
             for r in range(args.rounds):
                 for latency in args.latency.split(","):
                     for name, tuning in [(n, t) for n in names for t in tunings]:
-                        s3_side = name in ("sl_s3", "boto3", "curl_s3", "runai")
+                        s3_side = name in ("sl_s3", "boto3", "curl_s3", "runai", "st_fuse", "sl_fuse")
                         if s3_side and latency != args.latency.split(",")[0]:
                             continue  # rclone adds no latency: S3 contenders run once per round
                         base = "s3://bench" if s3_side else f"{http[latency][1]}/bench"
                         spec = {"contender": name.replace("_s3", "").replace("_http", "") if name.startswith("curl") else name,
                                 "url": f"{base}/{size}.safetensors", "s3": s3_info, "size": nbytes, **tuning}
+                        if mount is not None:
+                            spec["fuse_path"] = os.path.join(mount.path, f"{size}.safetensors")
                         label = name + (f" {tuning['threads']}x{tuning['chunk_bytes'] >> 20}MiB" if tuning else "")
                         out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                                              capture_output=True, text=True, timeout=1800)
@@ -189,6 +240,8 @@ def main() -> None:
             lat = latency if latency == "-" else f"{float(latency) * 1000:.0f} ms"
             print(f"| {size} GiB | {lat} | {name} | {rate:.2f} | {rss:.0f} | {growth:.0f} |")
     finally:
+        if mount is not None:
+            mount.stop()
         s3.stop()
         for proc, _ in http.values():
             proc.terminate()
