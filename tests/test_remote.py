@@ -14,7 +14,7 @@ import safetensors.torch as st_torch
 import torch
 from conftest import assert_tensor_equal, make_tensor
 from range_server import RangeServer
-from s3_server import S3Server, rclone
+from s3_server import KEY, SECRET, S3Server, rclone
 
 import safeload
 import safeload.numpy
@@ -149,6 +149,35 @@ def test_s3_env_configuration(s3, root, monkeypatch):
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
     _assert_same(safeload.torch.load_file("s3://envbucket/m.safetensors"), ref)
+
+
+def test_s3_configuration_from_an_aws_profile(s3, root, tmp_path, monkeypatch):
+    """Keys, region, endpoint and path-style addressing from the profile of ~/.aws/credentials
+    and ~/.aws/config alone, as the AWS CLI and boto3 read them; a profile with a wrong secret
+    is refused by the server, a profile neither file has is an error naming it. Each case has
+    a bucket no other test names (stores are kept per bucket)."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    refs = {}
+    for bucket in ("profilebucket", "profilewrong", "profilemissing"):
+        os.makedirs(os.path.join(root, bucket), exist_ok=True)
+        refs[bucket] = _write(os.path.join(root, bucket, "m.safetensors"), MIXED)
+    aws = tmp_path / ".aws"
+    aws.mkdir()
+    (aws / "credentials").write_text(
+        f"[bench]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n\n"
+        f"[wrong]\naws_access_key_id = {KEY}\naws_secret_access_key = not-the-secret\n")
+    profile = f"region = us-east-1\nendpoint_url = {s3.url}\ns3 =\n  addressing_style = path\n"
+    (aws / "config").write_text(f"[profile bench]\n{profile}\n# the same server\n[profile wrong]\n{profile}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    _assert_same(safeload.torch.load_file("s3://profilebucket/m.safetensors"), refs["profilebucket"])
+    monkeypatch.setenv("AWS_PROFILE", "wrong")
+    with pytest.raises(PermissionError, match="s3://profilewrong/m.safetensors.*403"):
+        safeload.safe_open("s3://profilewrong/m.safetensors", "pt")
+    monkeypatch.setenv("AWS_PROFILE", "nope")
+    with pytest.raises(safeload.SafetensorError, match="AWS_PROFILE=nope: no such profile"):
+        safeload.safe_open("s3://profilemissing/m.safetensors", "pt")
 
 
 def test_sharded_checkpoint_by_url(s3, http, root):

@@ -109,9 +109,29 @@ fn build(scheme: ObjectStoreScheme, base: &str, options: &Options) -> Built {
 /// S3 and S3-compatible stores (MinIO, R2, rclone ...): every `AWS_*` variable `object_store`
 /// knows (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 /// AWS_SESSION_TOKEN, AWS_SKIP_SIGNATURE, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, ...), then the
-/// options; AWS_S3_FORCE_PATH_STYLE as the AWS CLI reads it (AWS_CA_BUNDLE: `connector`).
+/// options; AWS_S3_FORCE_PATH_STYLE as the AWS CLI reads it (AWS_CA_BUNDLE: `connector`);
+/// under both, the profile of AWS's shared files (`profile`).
 fn s3(base: &str, options: &Options) -> Built {
     let mut b = AmazonS3Builder::new();
+    // The shared files' profile first (for what the environment leaves unset); its keys not
+    // when the options give a key pair of their own.
+    let own_keys = options
+        .iter()
+        .any(|(k, _)| matches!(canonical(k).as_str(), "access_key_id" | "aws_access_key_id"));
+    for (key, value) in super::profile::settings(&|v| std::env::var(v).ok())? {
+        if own_keys
+            && matches!(
+                key.as_str(),
+                "access_key_id" | "secret_access_key" | "token"
+            )
+        {
+            continue;
+        }
+        let k = key
+            .parse::<AmazonS3ConfigKey>()
+            .map_err(|e| e.to_string())?;
+        b = b.with_config(k, value);
+    }
     for (key, value) in std::env::vars() {
         let parsed = key
             .starts_with("AWS_")
