@@ -154,8 +154,8 @@ def test_s3_env_configuration(s3, root, monkeypatch):
 def test_s3_configuration_from_an_aws_profile(s3, root, tmp_path, monkeypatch):
     """Keys, region, endpoint and path-style addressing from the profile of ~/.aws/credentials
     and ~/.aws/config alone, as the AWS CLI and boto3 read them; a profile with a wrong secret
-    is refused by the server, a profile neither file has is an error naming it. Each case has
-    a bucket no other test names (stores are kept per bucket)."""
+    is refused by the server, and once fixed in the same process the same bucket reads; a profile
+    neither file has is an error naming it. Buckets no other test names."""
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
     refs = {}
@@ -175,6 +175,9 @@ def test_s3_configuration_from_an_aws_profile(s3, root, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_PROFILE", "wrong")
     with pytest.raises(PermissionError, match="s3://profilewrong/m.safetensors.*403"):
         safeload.safe_open("s3://profilewrong/m.safetensors", "pt")
+    # The profile fixed, the same bucket in the same process: a store built with the change.
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    _assert_same(safeload.torch.load_file("s3://profilewrong/m.safetensors"), refs["profilewrong"])
     monkeypatch.setenv("AWS_PROFILE", "nope")
     with pytest.raises(safeload.SafetensorError, match="AWS_PROFILE=nope: no such profile"):
         safeload.safe_open("s3://profilemissing/m.safetensors", "pt")

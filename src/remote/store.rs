@@ -40,8 +40,10 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
         ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;
     let base = &parsed[..url::Position::BeforePath];
     let options = remembered(base, options);
+    // A store is kept for its URL, options and configuration from the environment: a process
+    // that changes AWS_PROFILE or a key after a failed open gets a store built with the change.
     let mut key = base.to_string();
-    for (k, v) in &options {
+    for (k, v) in options.iter().chain(&environment(&scheme)) {
         key.push_str(&format!("\n{k}={v}"));
     }
     static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
@@ -71,6 +73,29 @@ fn remembered(base: &str, options: &Options) -> Pairs {
     }
     given.insert(base.to_string(), options.to_vec());
     options.to_vec()
+}
+
+/// What the environment configures for stores of `scheme`: its variables (`AWS_*`, `GOOGLE_*`,
+/// `AZURE_*`, the CA bundle) and, for S3, the settings of the AWS profile files.
+fn environment(scheme: &ObjectStoreScheme) -> Pairs {
+    let prefixes: &[&str] = match scheme {
+        ObjectStoreScheme::AmazonS3 => &["AWS_"],
+        ObjectStoreScheme::GoogleCloudStorage => &["GOOGLE_"],
+        ObjectStoreScheme::MicrosoftAzure => &["AZURE_"],
+        _ => &[],
+    };
+    let mut pairs: Pairs = std::env::vars()
+        .filter(|(k, _)| {
+            k == "SSL_CERT_FILE"
+                || k == "AWS_CA_BUNDLE"
+                || prefixes.iter().any(|p| k.starts_with(p))
+        })
+        .collect();
+    pairs.sort();
+    if matches!(scheme, ObjectStoreScheme::AmazonS3) {
+        pairs.extend(super::profile::settings(&|v| std::env::var(v).ok()).unwrap_or_default());
+    }
+    pairs
 }
 
 fn invalid(message: String) -> io::Error {
