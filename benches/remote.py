@@ -1,10 +1,14 @@
 """Loading checkpoints from object storage, every server started here on loopback: safeload from
 ``s3://`` (``rclone serve s3``) and ``http://`` (tests/support/range_server.py, with and without
 added latency per request) against boto3 ``get_object`` / urllib + ``safetensors.torch.load``,
-Run:ai's streamer (when installed), safetensors 0.8 (``st_fuse``) and safeload (``sl_fuse``)
-reading the same object through a FUSE mount of the bucket (``rclone mount``, where fusermount3
-is installed), and many parallel raw range GETs by ``curl --parallel`` (the server's own limit).
-Fresh processes, contenders interleaved, medians of ``--rounds``; peak RSS beside each rate.
+Run:ai's streamer (when installed; the tensors it hands over kept), safetensors 0.8
+(``st_fuse``) and safeload (``sl_fuse``) reading the same object through a FUSE mount of the
+bucket (``rclone mount``, where fusermount3 is installed), and many parallel raw range GETs by
+``curl --parallel`` (the server's own limit). ``sl_s3_again`` / ``sl_http_again`` time the second
+of two loads in one process, into memory the first freed: their gap to ``sl_s3`` / ``sl_http``
+is what faulting fresh memory in costs. Fresh processes, contenders interleaved (the order
+rotating each round, after one untimed read of each file warms the server and the page cache),
+medians of ``--rounds``; peak RSS beside each rate.
 
     python benches/remote.py [--sizes 0.5,2.5] [--rounds 3] [--latency 0,0.005] [--contenders 'sl_*,boto3']
 
@@ -84,12 +88,10 @@ def _load(spec: Dict[str, Any]) -> int:
         os.environ.update({"AWS_ENDPOINT_URL": s3["endpoint"], "AWS_ACCESS_KEY_ID": s3["key"],
                            "AWS_SECRET_ACCESS_KEY": s3["secret"], "AWS_REGION": "us-east-1",
                            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"})
-        total = 0
-        with SafetensorsStreamer() as streamer:
-            streamer.stream_file(url)
-            for _, tensor in streamer.get_tensors():
-                total += tensor.clone().nbytes
-        return total
+        with SafetensorsStreamer() as streamer:  # owned=True (0.17's default): the caller keeps
+            streamer.stream_file(url)  # each tensor it is given, no copy needed
+            out = dict(streamer.get_tensors())
+        return sum(t.nbytes for t in out.values())
     if name == "curl":  # the server's limit: parallel range GETs into /dev/null
         size = spec["size"]
         each = ["-sf"]
@@ -109,6 +111,9 @@ def worker(arg: str) -> None:
     spec = json.loads(arg)
     import torch  # noqa: F401  (every contender but curl holds torch; its import is not the load's memory)
 
+    if spec["contender"].endswith("_again"):  # the second load of a process: memory reused
+        spec = {**spec, "contender": spec["contender"][: -len("_again")]}
+        _load(spec)  # untimed; what it held is freed (safeload's pool keeps it for the next load)
     before = _maxrss_mib()
     t0 = time.perf_counter()
     nbytes = _load(spec)
@@ -158,6 +163,13 @@ def _sample(data_dir: str) -> str:
     return path
 
 
+def _data_bytes(path: str) -> int:
+    """The bytes of tensor data in a safetensors file (what every loading contender must hold)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(end - begin for k, v in header.items() if k != "__metadata__" for begin, end in [v["data_offsets"]])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="0.5,2.5")
@@ -175,10 +187,13 @@ def main() -> None:
     from range_server import __file__ as range_server_py
     from s3_server import KEY, SECRET, S3Server
 
-    files = {"0.5": _sample(args.data_dir), "2.5": args.full}
+    sizes = args.sizes.split(",")
+    if not set(sizes) <= {"0.5", "2.5"}:
+        raise SystemExit(f"--sizes: {args.sizes!r}, not a list of 0.5 and 2.5")
+    files = {size: _sample(args.data_dir) if size == "0.5" else args.full for size in sizes}
     root = tempfile.mkdtemp(prefix="safeload-remote-")
     os.makedirs(os.path.join(root, "bench"))
-    for size in args.sizes.split(","):
+    for size in sizes:
         os.symlink(os.path.abspath(files[size]), os.path.join(root, "bench", f"{size}.safetensors"))
     s3 = S3Server(root, extra=["--copy-links"], dir_cache="1h")
     s3_info = {"endpoint": s3.url, "key": KEY, "secret": SECRET, "options": s3.options()}
@@ -191,9 +206,9 @@ def main() -> None:
     try:
         import importlib.util
 
-        names = ["sl_s3", "boto3", "st_fuse", "sl_fuse", "curl_s3", "sl_http", "urllib", "curl_http"]
+        names = ["sl_s3", "sl_s3_again", "boto3", "st_fuse", "sl_fuse", "curl_s3", "sl_http", "sl_http_again", "urllib", "curl_http"]
         if importlib.util.find_spec("runai_model_streamer"):
-            names.insert(2, "runai")
+            names.insert(3, "runai")
         names = [n for n in names if any(fnmatch.fnmatch(n, pat) for pat in args.contenders.split(","))]
         if any(n.endswith("_fuse") for n in names):
             try:
@@ -206,12 +221,18 @@ def main() -> None:
             names = [n for n in names if n.startswith("sl_")]
             tunings = [{"threads": t, "chunk_bytes": c << 20} for t in (16, 32, 64) for c in (8, 16, 32)]
         rows: Dict[tuple, List[Dict[str, Any]]] = {}
-        for size in args.sizes.split(","):
+        for size in sizes:
             nbytes = os.path.getsize(files[size])
+            data_bytes = _data_bytes(files[size])
+            # Untimed: the server's first requests (its own start-up) and the file's first read
+            # into the page cache would be charged to whichever contender came first.
+            warm = {"contender": "curl", "url": f"s3://bench/{size}.safetensors", "s3": s3_info, "size": nbytes}
+            subprocess.run([sys.executable, __file__, "--worker", json.dumps(warm)], capture_output=True, check=True)
             for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]  # no contender always first
                 for latency in args.latency.split(","):
-                    for name, tuning in [(n, t) for n in names for t in tunings]:
-                        s3_side = name in ("sl_s3", "boto3", "curl_s3", "runai", "st_fuse", "sl_fuse")
+                    for name, tuning in [(n, t) for n in order for t in tunings]:
+                        s3_side = name in ("sl_s3", "sl_s3_again", "boto3", "curl_s3", "runai", "st_fuse", "sl_fuse")
                         if s3_side and latency != args.latency.split(",")[0]:
                             continue  # rclone adds no latency: S3 contenders run once per round
                         base = "s3://bench" if s3_side else f"{http[latency][1]}/bench"
@@ -226,6 +247,8 @@ def main() -> None:
                             print(f"{label} {size} failed: {out.stderr[-500:]}", file=sys.stderr)
                             continue
                         result = json.loads(out.stdout.strip().splitlines()[-1])
+                        if result["bytes"] != (nbytes if name.startswith("curl") else data_bytes):
+                            raise SystemExit(f"{label} {size}: loaded {result['bytes']} bytes, not the file's data")
                         key = (size, "-" if s3_side else latency, label)
                         rows.setdefault(key, []).append(result)
                         rate = result["bytes"] / result["seconds"] / GIB
@@ -238,7 +261,7 @@ def main() -> None:
             rss = statistics.median(x["rss_mib"] for x in results)
             growth = statistics.median(x["rss_growth_mib"] for x in results)
             lat = latency if latency == "-" else f"{float(latency) * 1000:.0f} ms"
-            print(f"| {size} GiB | {lat} | {name} | {rate:.2f} | {rss:.0f} | {growth:.0f} |")
+            print(f"| {os.path.getsize(files[size]) / GIB:.2f} GiB | {lat} | {name} | {rate:.2f} | {rss:.0f} | {growth:.0f} |")
     finally:
         if mount is not None:
             mount.stop()
