@@ -40,10 +40,12 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
         ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;
     let base = &parsed[..url::Position::BeforePath];
     let options = remembered(base, options);
+    let env = Environment::read(&scheme);
     // A store is kept for its URL, options and configuration from the environment: a process
     // that changes AWS_PROFILE or a key after a failed open gets a store built with the change.
     let mut key = base.to_string();
-    for (k, v) in options.iter().chain(&environment(&scheme)) {
+    let profile = env.profile.as_deref().unwrap_or_default();
+    for (k, v) in options.iter().chain(&env.vars).chain(profile) {
         key.push_str(&format!("\n{k}={v}"));
     }
     static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
@@ -51,7 +53,7 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((store.clone(), path));
     }
-    let store = build(scheme, base, &options).map_err(|e| invalid(format!("{url}: {e}")))?;
+    let store = build(scheme, base, &options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
     stores
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -75,27 +77,46 @@ fn remembered(base: &str, options: &Options) -> Pairs {
     options.to_vec()
 }
 
-/// What the environment configures for stores of `scheme`: its variables (`AWS_*`, `GOOGLE_*`,
-/// `AZURE_*`, the CA bundle) and, for S3, the settings of the AWS profile files.
-fn environment(scheme: &ObjectStoreScheme) -> Pairs {
-    let prefixes: &[&str] = match scheme {
-        ObjectStoreScheme::AmazonS3 => &["AWS_"],
-        ObjectStoreScheme::GoogleCloudStorage => &["GOOGLE_"],
-        ObjectStoreScheme::MicrosoftAzure => &["AZURE_"],
-        _ => &[],
-    };
-    let mut pairs: Pairs = std::env::vars()
-        .filter(|(k, _)| {
-            k == "SSL_CERT_FILE"
-                || k == "AWS_CA_BUNDLE"
-                || prefixes.iter().any(|p| k.starts_with(p))
-        })
-        .collect();
-    pairs.sort();
-    if matches!(scheme, ObjectStoreScheme::AmazonS3) {
-        pairs.extend(super::profile::settings(&|v| std::env::var(v).ok()).unwrap_or_default());
+/// What the environment configures for stores of a scheme, read once per open: its variables
+/// (`AWS_*`, `GOOGLE_*`, `AZURE_*`, the CA bundle) and, for S3, the settings of the AWS profile
+/// files (an error where `AWS_PROFILE` names a profile they lack).
+struct Environment {
+    vars: Pairs,
+    profile: Result<Pairs, String>,
+}
+
+impl Environment {
+    fn read(scheme: &ObjectStoreScheme) -> Environment {
+        let prefixes: &[&str] = match scheme {
+            ObjectStoreScheme::AmazonS3 => &["AWS_"],
+            ObjectStoreScheme::GoogleCloudStorage => &["GOOGLE_"],
+            ObjectStoreScheme::MicrosoftAzure => &["AZURE_"],
+            _ => &[],
+        };
+        let mut vars: Pairs = std::env::vars()
+            .filter(|(k, _)| {
+                k == "SSL_CERT_FILE"
+                    || k == "AWS_CA_BUNDLE"
+                    || prefixes.iter().any(|p| k.starts_with(p))
+            })
+            .collect();
+        vars.sort();
+        let profile = match scheme {
+            ObjectStoreScheme::AmazonS3 => {
+                let lookup = |name: &str| std::env::var(name).ok();
+                super::profile::settings(&lookup)
+            }
+            _ => Ok(Vec::new()),
+        };
+        Environment { vars, profile }
     }
-    pairs
+
+    fn var(&self, name: &str) -> Option<&str> {
+        self.vars
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 fn invalid(message: String) -> io::Error {
@@ -117,9 +138,9 @@ macro_rules! store {
     }};
 }
 
-fn build(scheme: ObjectStoreScheme, base: &str, options: &Options) -> Built {
+fn build(scheme: ObjectStoreScheme, base: &str, options: &Options, env: Environment) -> Built {
     match scheme {
-        ObjectStoreScheme::AmazonS3 => s3(base, options),
+        ObjectStoreScheme::AmazonS3 => s3(base, options, env),
         ObjectStoreScheme::GoogleCloudStorage => {
             store!(GoogleCloudStorageBuilder::from_env(), base, options)
         }
@@ -136,14 +157,14 @@ fn build(scheme: ObjectStoreScheme, base: &str, options: &Options) -> Built {
 /// AWS_SESSION_TOKEN, AWS_SKIP_SIGNATURE, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, ...), then the
 /// options; AWS_S3_FORCE_PATH_STYLE as the AWS CLI reads it (AWS_CA_BUNDLE: `connector`);
 /// under both, the profile of AWS's shared files (`profile`).
-fn s3(base: &str, options: &Options) -> Built {
+fn s3(base: &str, options: &Options, env: Environment) -> Built {
     let mut b = AmazonS3Builder::new();
     // The shared files' profile first (for what the environment leaves unset); its keys not
     // when the options give a key pair of their own.
     let own_keys = options
         .iter()
         .any(|(k, _)| matches!(canonical(k).as_str(), "access_key_id" | "aws_access_key_id"));
-    for (key, value) in super::profile::settings(&|v| std::env::var(v).ok())? {
+    for (key, value) in env.profile.clone()? {
         if own_keys
             && matches!(
                 key.as_str(),
@@ -157,15 +178,15 @@ fn s3(base: &str, options: &Options) -> Built {
             .map_err(|e| e.to_string())?;
         b = b.with_config(k, value);
     }
-    for (key, value) in std::env::vars() {
+    for (key, value) in &env.vars {
         let parsed = key
             .starts_with("AWS_")
             .then(|| key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>());
         if let Some(Ok(k)) = parsed {
-            b = b.with_config(k, value);
+            b = b.with_config(k, value.clone());
         }
     }
-    if std::env::var("AWS_S3_FORCE_PATH_STYLE").is_ok_and(|v| is_true(&v)) {
+    if env.var("AWS_S3_FORCE_PATH_STYLE").is_some_and(is_true) {
         b = b.with_virtual_hosted_style_request(false);
     }
     store!(b, base, options)
