@@ -82,8 +82,7 @@ impl Checkpoint {
                 }
             }
         }
-        let chunk_bytes =
-            source::chunk_bytes(&shards.iter().map(|s| &**s).collect::<Vec<_>>(), &opts);
+        let chunk_bytes = source::chunk_bytes(&sources(&shards), &opts);
         Ok(Checkpoint {
             shards,
             index,
@@ -302,8 +301,12 @@ impl Checkpoint {
     }
 
     fn sources(&self) -> Vec<&Source> {
-        self.shards.iter().map(|s| &**s).collect()
+        sources(&self.shards)
     }
+}
+
+fn sources(shards: &[Arc<Source>]) -> Vec<&Source> {
+    shards.iter().map(|s| &**s).collect()
 }
 
 #[cfg(test)]
