@@ -110,13 +110,6 @@ impl Environment {
         };
         Environment { vars, profile }
     }
-
-    fn var(&self, name: &str) -> Option<&str> {
-        self.vars
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
 }
 
 fn invalid(message: String) -> io::Error {
@@ -158,13 +151,14 @@ fn build(scheme: ObjectStoreScheme, base: &str, options: &Options, env: Environm
 /// options; AWS_S3_FORCE_PATH_STYLE as the AWS CLI reads it (AWS_CA_BUNDLE: `connector`);
 /// under both, the profile of AWS's shared files (`profile`).
 fn s3(base: &str, options: &Options, env: Environment) -> Built {
+    let Environment { vars, profile } = env;
     let mut b = AmazonS3Builder::new();
     // The shared files' profile first (for what the environment leaves unset); its keys not
     // when the options give a key pair of their own.
     let own_keys = options
         .iter()
         .any(|(k, _)| matches!(canonical(k).as_str(), "access_key_id" | "aws_access_key_id"));
-    for (key, value) in env.profile.clone()? {
+    for (key, value) in profile? {
         if own_keys
             && matches!(
                 key.as_str(),
@@ -178,15 +172,18 @@ fn s3(base: &str, options: &Options, env: Environment) -> Built {
             .map_err(|e| e.to_string())?;
         b = b.with_config(k, value);
     }
-    for (key, value) in &env.vars {
+    let path_style = vars
+        .iter()
+        .any(|(k, v)| k == "AWS_S3_FORCE_PATH_STYLE" && is_true(v));
+    for (key, value) in vars {
         let parsed = key
             .starts_with("AWS_")
             .then(|| key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>());
         if let Some(Ok(k)) = parsed {
-            b = b.with_config(k, value.clone());
+            b = b.with_config(k, value);
         }
     }
-    if env.var("AWS_S3_FORCE_PATH_STYLE").is_some_and(is_true) {
+    if path_style {
         b = b.with_virtual_hosted_style_request(false);
     }
     store!(b, base, options)
