@@ -24,6 +24,7 @@ import fnmatch
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,8 +128,6 @@ class RcloneMount:
 
     def __init__(self, s3: Dict[str, Any]) -> None:
         from s3_server import rclone
-
-        import shutil
 
         binary = rclone()
         if binary is None or shutil.which("fusermount3") is None:
@@ -269,6 +268,7 @@ def main() -> None:
         for proc, _ in http.values():
             proc.terminate()
             proc.wait()
+        shutil.rmtree(root)  # the served tree: symlinks to the files, which stay
 
 
 if __name__ == "__main__":
