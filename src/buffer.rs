@@ -24,8 +24,14 @@ pub enum Region {
     Heap { ptr: NonNull<u8>, len: usize },
     /// Large: an aligned, huge-page advised anonymous mapping, fresh or reused from the pool.
     Mapped { mapping: Mapping, len: usize },
-    /// A private (copy-on-write) map of a file, for the mmap backend.
-    Map(memmap2::MmapMut),
+    /// A private (copy-on-write) map of a file, for the mmap backend, with the file, its path
+    /// and its length at open (to tell whether it still covers a view: [`TensorBytes::checked`]).
+    Map {
+        map: memmap2::MmapMut,
+        file: std::fs::File,
+        path: std::path::PathBuf,
+        was: u64,
+    },
     /// Memory someone else owns (a device buffer's host alias), alive as long as `keep` is.
     External {
         ptr: NonNull<u8>,
@@ -72,7 +78,7 @@ impl Region {
             Region::Heap { len, .. }
             | Region::Mapped { len, .. }
             | Region::External { len, .. } => *len,
-            Region::Map(m) => m.len(),
+            Region::Map { map, .. } => map.len(),
         }
     }
 
@@ -97,7 +103,7 @@ impl Region {
         match self {
             Region::Heap { ptr, .. } => ptr.as_ptr(),
             Region::Mapped { mapping, .. } => mapping.as_ptr().as_ptr(),
-            Region::Map(m) => m.as_ptr() as *mut u8,
+            Region::Map { map, .. } => map.as_ptr() as *mut u8,
             Region::External { ptr, .. } => ptr.as_ptr(),
         }
     }
@@ -186,6 +192,29 @@ impl TensorBytes {
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the range is in bounds and, by the contract above, initialised.
         unsafe { std::slice::from_raw_parts(self.as_mut_ptr(), self.len) }
+    }
+
+    /// These bytes as they may be handed out now: a view of a file's map that the file no
+    /// longer covers (it shrank under the map since the view was made, so a touch would raise
+    /// SIGBUS) is an error naming the file and `tensor`. One `fstat` for a view of a map;
+    /// nothing for memory of our own.
+    pub fn checked(self, tensor: &str) -> crate::error::Result<TensorBytes> {
+        let Some(Region::Map {
+            file, path, was, ..
+        }) = self.storage.as_deref()
+        else {
+            return Ok(self);
+        };
+        let len = file.metadata().map_or(0, |m| m.len());
+        if len >= (self.offset + self.len) as u64 {
+            return Ok(self);
+        }
+        Err(crate::error::Error::Shrank {
+            path: path.clone(),
+            tensor: tensor.to_string(),
+            len,
+            was: *was,
+        })
     }
 
     /// What keeps memory owned elsewhere alive ([`Fresh::external`]); None for our own memory.

@@ -59,11 +59,35 @@ pub enum Error {
     /// An object in a store could not be opened or listed (a bad endpoint, a store that ignores
     /// `Range`, an unknown storage option ...): the message names the URL and what the store said.
     Remote(String),
+    /// The file is shorter now than when it was opened (rewritten under an open handle): what
+    /// it held past its new end cannot be read, nor handed out as a view of its map.
+    Shrank {
+        path: PathBuf,
+        tensor: String,
+        len: u64,
+        was: u64,
+    },
+    /// The reader itself failed (a panic caught at a thread or binding boundary); the message
+    /// names what failed.
+    Internal(String),
     /// The caller asked to stop (Ctrl-C) while reading.
     Cancelled,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Runs `f`, turning a panic in it (a bug of the reader, on this thread or one it joined) into
+/// [`Error::Internal`] naming `what` and the panic's message: a load fails, the process and its
+/// other loads go on, and Python gets a `SafetensorError`, not a `PanicException` (a
+/// `BaseException` that `except Exception` lets through).
+pub fn catch_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = (panic.downcast_ref::<&str>().copied())
+            .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("a panic without a message");
+        Err(Error::Internal(format!("{what}: {message}")))
+    })
+}
 
 impl Error {
     pub fn header(path: Option<&Path>, reason: HeaderError) -> Self {
@@ -138,6 +162,18 @@ impl fmt::Display for Error {
             | Error::Memory(message)
             | Error::Argument(message)
             | Error::Remote(message) => f.write_str(message),
+            Error::Shrank {
+                path,
+                tensor,
+                len,
+                was,
+            } => write!(
+                f,
+                "file {} shrank to {len} bytes while open (it had {was}): tensor {tensor} cannot \
+                 be read",
+                path.display()
+            ),
+            Error::Internal(message) => write!(f, "internal error in safeload: {message}"),
             Error::Closed(what) => write!(f, "{what} is closed"),
             Error::Cancelled => f.write_str("load cancelled"),
         }
@@ -153,5 +189,19 @@ impl std::error::Error for Error {
             Error::Header { reason, .. } => Some(reason),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_internal_error_naming_what_failed() {
+        let err = catch_panic::<()>("a worker", || panic!("bad index {}", 7)).unwrap_err();
+        assert!(matches!(&err, Error::Internal(m) if m == "a worker: bad index 7"), "{err}");
+        let err = catch_panic::<()>("a read", || panic!("static")).unwrap_err();
+        assert_eq!(err.to_string(), "internal error in safeload: a read: static");
+        assert_eq!(catch_panic("fine", || Ok(3)).unwrap(), 3);
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::buffer::TensorBytes;
 use crate::checkpoint::Checkpoint;
 use crate::dtype::Dtype;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, catch_panic};
 
 /// A tensor of a batch: name, dtype, shape, bytes.
 pub type Item = (String, Dtype, Vec<usize>, TensorBytes);
@@ -52,7 +52,9 @@ impl Stream {
                 let all: Vec<_> = ckpt.entries().collect();
                 for batch in Checkpoint::batches(&all, max_bytes) {
                     let mut poll = || stopped.load(Ordering::Relaxed);
-                    let read = ckpt.read(&batch, None, &mut poll).map(|(read, _)| {
+                    let read =
+                        catch_panic("the stream's reader", || ckpt.read(&batch, None, &mut poll));
+                    let read = read.map(|(read, _)| {
                         (batch.iter().zip(read))
                             .map(|((_, t), (bytes, dtype))| {
                                 (t.name.clone(), dtype, t.shape.clone(), bytes)
@@ -86,6 +88,16 @@ impl Stream {
         loop {
             match self.batches.recv_timeout(POLL_EVERY) {
                 Ok(batch) => {
+                    // Views of a map were made when the reader got to them: handed out only
+                    // while the file still covers them.
+                    let batch = batch.and_then(|items| {
+                        (items.into_iter())
+                            .map(|(name, dtype, shape, bytes)| {
+                                let bytes = bytes.checked(&name)?;
+                                Ok((name, dtype, shape, bytes))
+                            })
+                            .collect::<Result<Vec<Item>>>()
+                    });
                     if let Ok(items) = &batch {
                         let bytes: usize = items.iter().map(|i| i.3.len()).sum();
                         self.done.fetch_add(bytes as u64, Ordering::Relaxed);

@@ -77,7 +77,8 @@ fn to_py(err: Error) -> PyErr {
 }
 
 /// Runs `f` with the GIL released, giving it a `poll` that checks for Ctrl-C. A pending signal's
-/// exception (KeyboardInterrupt) is what the caller gets back if the read was cancelled.
+/// exception (KeyboardInterrupt) is what the caller gets back if the read was cancelled; a panic
+/// in `f` (or a worker it joined) is a `SafetensorError`.
 pub fn detached<T: Send>(
     py: Python<'_>,
     f: impl FnOnce(&mut dyn FnMut() -> bool) -> crate::error::Result<T> + Send,
@@ -91,7 +92,7 @@ pub fn detached<T: Send>(
                 true
             }
         };
-        f(&mut poll)
+        crate::error::catch_panic("a read", || f(&mut poll))
     });
     match (result, signal) {
         (Ok(value), None) => Ok(value),

@@ -120,9 +120,6 @@ impl Prefetch {
     fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
         let item = &self.ahead.items()[i];
         let s: &Source = &self.source;
-        if self.strategy == Strategy::Mmap {
-            return Ok(Bytes::new(s.map_span(item.begin, item.end)?));
-        }
         let (strategy, opts) = (self.strategy, self.opts);
         let (mut read, report, _) = detached(py, |poll| {
             source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)

@@ -298,7 +298,11 @@ impl ReadAhead {
                     state.held -= size;
                     state.taken += size;
                     shared.cv.notify_all();
-                    return Ok(bytes);
+                    drop(state);
+                    // Views of the map were made when the worker got here: handed out only
+                    // while the file still covers them.
+                    let name = &shared.items[index].name;
+                    return bytes.map(|b| b.checked(name)).transpose();
                 }
                 // Page cache: the view needs nothing from the worker; the caller's touches of
                 // pages it is reading wait for those pages only.
@@ -324,7 +328,7 @@ impl ReadAhead {
                         // workers' (several callers' threads read in parallel).
                         drop(state);
                         let info = &shared.items[index];
-                        shared.populate(info.begin, info.end);
+                        shared.populate(info);
                         shared.lock().hinted += size;
                     }
                     return Ok(None);

@@ -157,7 +157,8 @@ impl Shared {
             };
             let (batch, dests): (Vec<usize>, Vec<Option<Fresh>>) = batch.into_iter().unzip();
             let infos: Vec<&TensorInfo> = batch.iter().map(|&i| &self.items[i]).collect();
-            let read = self.read(&infos, dests);
+            let read =
+                crate::error::catch_panic("a read-ahead worker", || self.read(&infos, dests));
             let mut state = self.lock();
             match read {
                 Ok((buffers, report)) => {
@@ -211,9 +212,11 @@ impl Shared {
     /// Makes data bytes `[begin, end)` resident in the file's map where the OS can (the pages
     /// are read and mapped, so the caller's touches do not fault), else hints them to the page
     /// cache; 16 MiB at a time, until stopped. Errors (a file cut short) are left to the touch.
-    pub(super) fn populate(&self, begin: usize, end: usize) {
+    pub(super) fn populate(&self, info: &TensorInfo) {
+        let (begin, end) = (info.begin, info.end);
         let source = &*self.source;
-        let (Ok(span), Some(file)) = (source.map_span(begin, end), source.backing.file()) else {
+        let span = source.map_span(&info.name, begin, end);
+        let (Ok(span), Some(file)) = (span, source.backing.file()) else {
             return;
         };
         // The whole range is queued first, so the disk reads ahead of the waits below.
@@ -260,7 +263,7 @@ impl Shared {
             }
             Mode::PageCache => {
                 for t in infos {
-                    self.populate(t.begin, t.end);
+                    self.populate(t);
                 }
                 Ok((
                     infos.iter().map(|_| None).collect(),

@@ -166,7 +166,7 @@ impl Source {
         if info.nbytes() == 0 {
             return Ok(TensorBytes::empty());
         }
-        let bytes = self.map_span(info.begin, info.end)?;
+        let bytes = self.map_span(&info.name, info.begin, info.end)?;
         let align = (info.dtype.bits() / 8).clamp(1, 8);
         if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
             return Ok(bytes);
@@ -180,14 +180,26 @@ impl Source {
     }
 
     /// Data bytes `[begin, end)` (offsets into the data area, as tensors' `data_offsets`) as a
-    /// view of the file's private map, whatever their alignment.
-    pub fn map_span(&self, begin: usize, end: usize) -> Result<TensorBytes> {
+    /// view of the file's private map, whatever their alignment; `tensor` names them in errors.
+    /// A file that is shorter now than it was at open is an error, never a view whose touch
+    /// would raise SIGBUS (views handed out earlier keep safetensors 0.8's behaviour).
+    pub fn map_span(&self, tensor: &str, begin: usize, end: usize) -> Result<TensorBytes> {
         let map = self.mapping()?;
-        Ok(TensorBytes::new(
-            map,
-            self.header.data_start() as usize + begin,
-            end - begin,
-        ))
+        let at = self.header.data_start() as usize + begin;
+        let len = end - begin;
+        if at + len > map.len() {
+            return Err(self.shrank(tensor, map.len() as u64));
+        }
+        TensorBytes::new(map, at, len).checked(tensor)
+    }
+
+    fn shrank(&self, tensor: &str, len: u64) -> Error {
+        Error::Shrank {
+            path: self.path.clone(),
+            tensor: tensor.to_string(),
+            len,
+            was: self.file_len,
+        }
     }
 
     fn mapping(&self) -> Result<Arc<Region>> {
@@ -201,12 +213,20 @@ impl Source {
         let not_a_file =
             || std::io::Error::new(std::io::ErrorKind::Unsupported, "not a local file");
         let file = self.backing.file().ok_or_else(|| open_err(not_a_file()))?;
-        // SAFETY: a private mapping; our writes never reach the file. Another process truncating
-        // the file under the map is the documented risk of the mmap backend (SIGBUS).
+        // SAFETY: a private mapping; our writes never reach the file. A file truncated under the
+        // map is caught before a view is handed out (`TensorBytes::checked`); a view handed out earlier and
+        // touched after the truncation raises SIGBUS, as safetensors 0.8's maps do (README).
         let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }.map_err(open_err)?;
+        let file = file.try_clone().map_err(open_err)?;
         // Faults read ahead further (what safetensors 0.8 advises on its maps too).
-        platform::advise_sequential(file);
-        Ok(self.map.get_or_init(|| Arc::new(Region::Map(map))).clone())
+        platform::advise_sequential(&file);
+        let region = Region::Map {
+            map,
+            file,
+            path: self.path.clone(),
+            was: self.file_len,
+        };
+        Ok(self.map.get_or_init(|| Arc::new(region)).clone())
     }
 
     fn read_err(&self, info: &TensorInfo, source: std::io::Error) -> Error {
