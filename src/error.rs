@@ -199,9 +199,15 @@ mod tests {
     #[test]
     fn a_panic_becomes_an_internal_error_naming_what_failed() {
         let err = catch_panic::<()>("a worker", || panic!("bad index {}", 7)).unwrap_err();
-        assert!(matches!(&err, Error::Internal(m) if m == "a worker: bad index 7"), "{err}");
+        assert!(
+            matches!(&err, Error::Internal(m) if m == "a worker: bad index 7"),
+            "{err}"
+        );
         let err = catch_panic::<()>("a read", || panic!("static")).unwrap_err();
-        assert_eq!(err.to_string(), "internal error in safeload: a read: static");
+        assert_eq!(
+            err.to_string(),
+            "internal error in safeload: a read: static"
+        );
         assert_eq!(catch_panic("fine", || Ok(3)).unwrap(), 3);
     }
 }
