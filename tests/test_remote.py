@@ -317,6 +317,44 @@ def test_storage_options_credentials(s3, mixed, monkeypatch):
     _assert_same(safeload.torch.load_file(url, storage_options=obstore), ref)
 
 
+def test_storage_options_reach_every_entry_point_and_stay_with_their_call(s3, mixed, monkeypatch):
+    """Every entry point that takes storage_options hands them to the store; a later call that
+    gives none reads with the environment alone (here: a wrong key, so the server refuses it),
+    never with options an earlier call gave for the same bucket."""
+    for k in ["AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"]:
+        monkeypatch.delenv(k, raising=False)
+    path, ref = mixed
+    url = "s3://models/mixed.safetensors"
+    options = s3.options()
+    _assert_same(safeload.torch.load_file(url, storage_options=options), ref)
+    _assert_same(safeload.torch.load_checkpoint(url, storage_options=options), ref)
+    _assert_same(dict(safeload.torch.iter_checkpoint(url, storage_options=options)), ref)
+    from safeload import distributed
+
+    _assert_same(distributed.load_checkpoint(url, plan={k: None for k in ref}, storage_options=options), ref)
+    into = {k: torch.empty_like(v) for k, v in ref.items()}
+    safeload.torch.load_into(into, url, storage_options=options)
+    _assert_same(into, ref)
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for k, v in ref.items():
+                self.register_buffer(k, torch.zeros_like(v))
+
+    model = Holder()
+    assert safeload.torch.load_model(model, url, storage_options=options) == (set(), [])
+    _assert_same(dict(model.state_dict()), ref)
+    # The environment alone: wrong credentials, and the options above are not remembered.
+    env = {**s3.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(PermissionError, match="403"):
+        safeload.torch.load_file(url)
+    with pytest.raises(PermissionError, match="403"):
+        safeload.torch.load_model(Holder(), url)
+
+
 def test_paths_that_are_not_urls(tmp_path):
     assert not safeload._safeload.is_url(str(tmp_path / "s3:" / "x.safetensors"))
     assert safeload._safeload.is_url("s3://b/x.safetensors") and safeload._safeload.is_url("https://h/x")

@@ -416,6 +416,23 @@ def test_load_checkpoint_on_cuda_uses_staging(write_st, fake_cuda, tmp_path):
     assert_same(out, {**ref_load(a), **ref_load(b)})
 
 
+def test_load_checkpoint_on_cuda_honours_dtype_backend_and_threads(write_st, fake_cuda, tmp_path):
+    """The device path takes every argument the CPU path takes: dtype converts the F32/F16/BF16
+    tensors as the CPU path does (bit for bit), the backend reaches the reader (a bad one is
+    refused), and the result equals the CPU load's."""
+    path = write_st(mixed_tensors(9))
+    cpu = _checkpoint.load_checkpoint(path, "pt", dtype=torch.float16, backend="pread")
+    for backend in ("auto", "pread", "mmap", "direct"):
+        got = _checkpoint.load_checkpoint(path, "pt", device="cuda:0", dtype=torch.float16, backend=backend,
+                                          threads=2, chunk_bytes=1 << 16)
+        assert_same(got, cpu)
+        assert any(t.dtype == torch.float16 for t in got.values())
+    with pytest.raises(SafetensorError, match="backend \"fast\" is invalid"):
+        _checkpoint.load_checkpoint(path, "pt", device="cuda:0", backend="fast")
+    with pytest.raises(SafetensorError, match="cannot be converted to on load"):
+        _checkpoint.load_checkpoint(path, "pt", device="cuda:0", dtype=torch.int8)
+
+
 def test_cpu_path_untouched(write_st, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("staging used for a CPU load")

@@ -79,7 +79,7 @@ def load_checkpoint(
         callback = _progress_callback(progress) if progress is not None else None
         out, stats = _staging.load_checkpoint_to_device(
             paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-            progress=callback)
+            progress=callback, backend=backend, storage_options=storage_options, dtype=dtype)
     else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
         ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
                           storage_options=storage_options)

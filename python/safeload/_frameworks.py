@@ -219,3 +219,17 @@ def dtype_code(dtype: Any) -> Optional[str]:
     if code is None:
         raise SafetensorError(f"dtype {dtype} cannot be converted to on load (F32, F16 or BF16)")
     return code
+
+
+def to_dtype(tensors: Dict[str, Any], dtype: Any) -> Dict[str, Any]:
+    """The F32/F16/BF16 tensors converted to ``dtype`` (None: as they are), the rest untouched, as
+    the reader converts on the way: for tensors that were not (devices, shares). A dtype the
+    reader cannot convert to is refused as there."""
+    code = dtype if dtype in ("F32", "F16", "BF16") else dtype_code(dtype)
+    if code is None:
+        return tensors
+    import torch
+
+    target = torch_dtype(code)
+    convertible = (torch.float32, torch.float16, torch.bfloat16)
+    return {n: t.to(target) if t.dtype in convertible else t for n, t in tensors.items()}

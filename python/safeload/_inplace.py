@@ -25,12 +25,12 @@ COPY_BATCH_BYTES = 256 << 20
 
 def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEFAULT_BACKEND,
               threads: Optional[int] = None, chunk_bytes: Optional[int] = None,
-              drop_cache: bool = False) -> Stats:
+              drop_cache: bool = False, storage_options: Optional[Dict[str, Any]] = None) -> Stats:
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
     match (checked before anything is read). Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(checkpoint_files(path_or_paths), resolve_backend(backend), threads=threads,
-                      chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+    ckpt = Checkpoint(checkpoint_files(path_or_paths, storage_options), resolve_backend(backend), threads=threads,
+                      chunk_bytes=chunk_bytes, drop_cache=drop_cache, storage_options=storage_options)
     try:
         return _read_into(ckpt, tensors)
     finally:
@@ -84,7 +84,8 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     if _custom_loading(model):
         return None
     state = model.state_dict()
-    ckpt = Checkpoint(checkpoint_files(path_or_paths), resolve_backend(backend), **kwargs)
+    ckpt = Checkpoint(checkpoint_files(path_or_paths, kwargs.get("storage_options")), resolve_backend(backend),
+                      **kwargs)
     try:
         infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
         to_removes = _remove_duplicate_names(state, preferred_names=list(infos))

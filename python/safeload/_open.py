@@ -6,7 +6,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device, _logging, _mps, _prefetch, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code
+from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code, to_dtype
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
 
@@ -163,14 +163,10 @@ class safe_open:
         if self._device is not None:  # accelerator: through the staging ring
             tensors, self.staging_stats = _staging.load_to_device(self._handle, self._device)
             _logging.log_read(self._handle.path, self, "get_tensors")
-            if dtype is not None:
-                tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-            return tensors
+            return to_dtype(tensors, dtype)
         code = dtype if dtype is None or dtype in ("F32", "F16", "BF16") else dtype_code(dtype)
         tensors = MANY[self._framework](self._handle.read_many(dtype=code))
         _logging.log_read(self._handle.path, self, "get_tensors")
-        if self._device is not None:
-            tensors = {name: t.to(self._device) for name, t in tensors.items()}
         return tensors
 
     def get_tensor_meta(self, name: str) -> "_prefetch.TensorMeta":

@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
-from ._frameworks import FRAMEWORKS, torch_dtype, torch_shape
+from ._frameworks import FRAMEWORKS, to_dtype, torch_dtype, torch_shape
 from ._safeload import STAGING_RING_ENV, Checkpoint, Fill, Handle, TensorInfo, staging_plan, staging_ring
 from ._stats import StagingStats
 
@@ -264,14 +264,17 @@ def load_to_device(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
+    backend: str = "auto",
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Tuple[Dict[str, Any], StagingStats]:
     """Loads tensors of one or more files onto ``device`` through the staging ring.
 
     ``sources``: a ``Handle`` or path, or a list of them (shards; a tensor name may appear in
     only one). ``names``: the tensors wanted (a list for one source, or one list-or-None per
     source); all when None. ``sink``: replaces the device's (tests). Returns a dict in file order
-    of typed tensors, each with its own storage, every copy complete. Paths are opened with the
-    pread engine (``threads``, ``chunk_bytes``, ``drop_cache``) and closed after."""
+    of typed tensors, each with its own storage, every copy complete. Paths are opened as one
+    checkpoint (``backend``, ``threads``, ``chunk_bytes``, ``drop_cache``, ``storage_options``:
+    as :func:`safeload.safe_open` takes them) and closed after."""
     single = isinstance(sources, (Handle, str, os.PathLike))
     items: List[Any] = [sources] if single else list(sources)  # type: ignore[arg-type]
     if names is None:
@@ -296,8 +299,8 @@ def load_to_device(
     # Paths are opened as one checkpoint (a name in two shards is an error there), read file by
     # file through its handles.
     paths = [os.fspath(i) for i in items if not isinstance(i, Handle)]
-    ckpt = Checkpoint(paths, "pread", threads=threads, chunk_bytes=chunk_bytes,
-                      drop_cache=drop_cache) if paths else None
+    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                      storage_options=storage_options) if paths else None
     shards = iter(ckpt.handles() if ckpt is not None else [])
     handles = [i if isinstance(i, Handle) else next(shards) for i in items]
     try:
@@ -431,9 +434,14 @@ def load_checkpoint_to_device(
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
     progress: Optional[Progress] = None,
+    backend: str = "auto",
+    storage_options: Optional[Dict[str, Any]] = None,
+    dtype: Any = None,
 ) -> Tuple[Dict[str, Any], Any]:
-    """``load_checkpoint`` to a device: every shard through one staging ring. Returns the state
-    dict and the reader's :class:`Stats` of its reads."""
-    out, stats = load_to_device(paths, target, progress=progress, threads=threads,
-                                chunk_bytes=chunk_bytes, drop_cache=drop_cache)
-    return out, stats.read
+    """``load_checkpoint`` to a device: every shard through one staging ring. ``dtype`` converts
+    the floating-point tensors on the device (torch's conversion, which the CPU path's matches bit
+    for bit). Returns the state dict and the reader's :class:`Stats` of its reads."""
+    out, stats = load_to_device(paths, target, progress=progress, threads=threads, chunk_bytes=chunk_bytes,
+                                drop_cache=drop_cache, backend=backend, storage_options=storage_options)
+    return to_dtype(out, dtype), stats.read
+

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _device, _logging
 from ._checkpoint import checkpoint_files
-from ._frameworks import to_torch, torch_dtype, torch_shape
+from ._frameworks import to_dtype, to_torch, torch_dtype, torch_shape
 from ._open import Stats, resolve_backend
 from . import _safeload
 from ._safeload import Checkpoint, Handle, SafetensorError
@@ -236,8 +236,12 @@ def load_checkpoint(
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
     return_stats: bool = False,
+    dtype: Any = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """A state dict (torch) of a checkpoint read by the ranks of ``process_group`` together.
+    ``dtype`` converts the floating-point tensors (as torch's ``.to``); ``storage_options``: for
+    URLs, see :func:`safeload.safe_open`.
 
     Ranks in ``ranks_needing`` are ranks within ``process_group``. ``return_stats``: also
     return a :class:`~safeload._open.Stats` whose ``bytes_read`` counts the bytes this
@@ -250,7 +254,7 @@ def load_checkpoint(
         if ranks_needing is not None or selection is not None:
             raise SafetensorError("plan= reads per-rank slices; it does not combine with ranks_needing/selection")
         return _load_plan(path_or_paths, target, process_group, plan, backend, threads, chunk_bytes,
-                          drop_cache, return_stats)
+                          drop_cache, return_stats, dtype, storage_options)
     dist = _dist()
     group = _group(process_group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -264,8 +268,9 @@ def load_checkpoint(
     ckpt: Any = None
     try:
         dev = _device.torch_device(target)
-        paths = checkpoint_files(path_or_paths)
-        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache)
+        paths = checkpoint_files(path_or_paths, storage_options)
+        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                          storage_options=storage_options)
         digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
         error = exc
@@ -301,26 +306,28 @@ def load_checkpoint(
     ckpt.close()
     if dev != comm:
         out = {k: v.to(dev) for k, v in out.items()}
-    state = {e.name: out[e.name] for e in entries if e.name in out}
+    state = to_dtype({e.name: out[e.name] for e in entries if e.name in out}, dtype)
     _logging.log_read(paths, stats, f"load_checkpoint(rank {rank}/{world}, {time.perf_counter() - started:.3f}s)")
     return (state, stats) if return_stats else state
 
 
 def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,
-               threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool) -> Any:
+               threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool,
+               dtype: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
     """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need."""
     out: Dict[str, Any] = {}
     paths: List[str] = []
     stats = Stats(backend)  # nothing read yet; each file's handle adds its own
     error: Optional[BaseException] = None
     try:
-        paths = checkpoint_files(path_or_paths)
+        paths = checkpoint_files(path_or_paths, storage_options)
         wanted = dict(plan)
         for p in paths:
             if not wanted:
                 break
             # The plan says which bytes are wanted: nothing is read ahead.
-            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache, readahead=False)
+            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache, readahead=False,
+                       storage_options=storage_options)
             try:
                 here = [n for n in h.offset_keys() if n in wanted]
                 for name in here:
@@ -335,6 +342,7 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
         if target != "cpu":
             dev = _device.torch_device(target)
             out = {k: v.to(dev) for k, v in out.items()}
+        out = to_dtype(out, dtype)
     except Exception as exc:
         if process_group is None:
             raise

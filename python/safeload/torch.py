@@ -175,17 +175,19 @@ def load_model(
     device: Any = "cpu",
     *,
     backend: str = DEFAULT_BACKEND,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Tuple[List[str], List[str]]:
     """Loads ``filename`` (or shards, a directory, an index.json) into ``model``, handling names
     that share memory in the model, with safetensors' results: ``(missing, unexpected)``, the
     same strict errors. CPU parameters and buffers are read straight into (no new memory, dtypes
     converted on the way, storages unchanged); a model that loads its state its own way (hooks,
-    a custom ``_load_from_state_dict``) goes through ``load_state_dict``."""
-    direct = _inplace.load_model_into(model, filename, strict, backend=backend)
+    a custom ``_load_from_state_dict``) goes through ``load_state_dict``. ``storage_options``:
+    for URLs, see :func:`safeload.safe_open`."""
+    direct = _inplace.load_model_into(model, filename, strict, backend=backend, storage_options=storage_options)
     if direct is not None:
         missing, unexpected = direct
     else:
-        state_dict = load_file(filename, device=device, backend=backend)
+        state_dict = load_checkpoint(filename, device=device, backend=backend, storage_options=storage_options)
         model_state_dict = model.state_dict()
         to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
         missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -229,7 +231,8 @@ def load_checkpoint(
 
 def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **kwargs: Any) -> Any:
     """Reads each named tensor of a checkpoint straight into the given tensor, in place
-    (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache.
+    (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache,
+    storage_options.
     Returns the read's stats. See :mod:`safeload._inplace`."""
     return _inplace.load_into(tensors, path_or_paths, **kwargs)
 

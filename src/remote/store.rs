@@ -39,7 +39,6 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     let (scheme, path) =
         ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;
     let base = &parsed[..url::Position::BeforePath];
-    let options = remembered(base, options);
     let env = Environment::read(&scheme);
     // A store is kept for its URL, options and configuration from the environment: a process
     // that changes AWS_PROFILE or a key after a failed open gets a store built with the change.
@@ -53,28 +52,12 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((store.clone(), path));
     }
-    let store = build(scheme, base, &options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
+    let store = build(scheme, base, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
     stores
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key, store.clone());
     Ok((store, path))
-}
-
-/// The options to use for a bucket (or host): those given, remembered for later opens of it
-/// that give none (the shards a resolved checkpoint names, reads on devices, other processes'
-/// helpers); else the ones last given for it; else none (the environment alone).
-fn remembered(base: &str, options: &Options) -> Pairs {
-    static GIVEN: OnceLock<Mutex<HashMap<String, Pairs>>> = OnceLock::new();
-    let mut given = GIVEN
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if options.is_empty() {
-        return given.get(base).cloned().unwrap_or_default();
-    }
-    given.insert(base.to_string(), options.to_vec());
-    options.to_vec()
 }
 
 /// What the environment configures for stores of a scheme, read once per open: its variables
