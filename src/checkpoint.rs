@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::slice::SlicePlan;
 use crate::source::{self, ReadOptions, Source, Target, Tensors};
-use crate::strategy::{self, Backend, Strategy};
+use crate::strategy::{self, Backend, Purpose, Strategy};
 
 /// What one read did: the backend that ran, its workers and request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -163,13 +163,17 @@ impl Checkpoint {
         out
     }
 
-    /// How this checkpoint is read: the first shard's resolution of the backend stands for all,
-    /// resolved at the first call.
+    /// How this checkpoint's whole tensors are read into new memory (see [`Checkpoint::strategy_for`]).
     pub fn strategy(&self) -> Strategy {
-        match self.resolution().0 {
-            Strategy::Direct if self.direct_refused.load(Ordering::Relaxed) => Strategy::Pread,
-            s => s,
-        }
+        self.strategy_for(Purpose::Views)
+    }
+
+    /// How a read for `purpose` is done ([`strategy::for_purpose`]): the first shard's resolution
+    /// of the backend stands for all, resolved at the first call.
+    pub fn strategy_for(&self, purpose: Purpose) -> Strategy {
+        let (resolved, cached) = self.resolution();
+        let refused = self.direct_refused.load(Ordering::Relaxed);
+        strategy::for_purpose(resolved, cached, purpose, refused)
     }
 
     /// The tuning reads use (the caller's threads and request size, or None: picked per read).
@@ -238,18 +242,23 @@ impl Checkpoint {
     }
 
     /// Reads a selection into new memory (mapped views when the strategy is mmap), converting
-    /// F32/F16/BF16 tensors to `dtype` when given. Returns the bytes and dtype of each, in the
-    /// order of `selection`.
+    /// F32/F16/BF16 tensors to `dtype` when given (a copy: a map cannot change dtypes). Returns
+    /// the bytes and dtype of each, in the order of `selection`.
     pub fn read(
         &self,
         selection: &[Entry<'_>],
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
-        let (out, report, strategy) = source::read_or_map(
+        let converts = dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d));
+        let strategy = self.strategy_for(match converts {
+            true => Purpose::Copies,
+            false => Purpose::Views,
+        });
+        let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
-            self.strategy(),
+            strategy,
             dtype,
             &self.opts,
             poll,
@@ -264,19 +273,13 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let strategy = match self.resolution() {
-            // Into existing memory, from a local file: a copy from the page cache when warm;
-            // cold, uncached reads, which keep the disk's queue full where buffered reads wait
-            // on readahead a window at a time (measured: README, "Reading into a model").
-            (Strategy::Mmap, Some(cached)) if cached < strategy::COLD_BELOW => Strategy::Direct,
-            (Strategy::Mmap, _) => Strategy::Pread,
-            (s, _) => s,
-        };
+        let strategy = self.strategy_for(Purpose::Copies);
         let report = source::read_targets(&self.sources(), targets, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
     }
 
-    /// The bytes of `plan` (part of tensor `info` of shard `shard`), only the rows it needs read.
+    /// The bytes of `plan` (part of tensor `info` of shard `shard`) in new memory: cut out of
+    /// the map where the checkpoint maps, else only the rows it needs read.
     pub fn read_slice(
         &self,
         shard: usize,
@@ -284,8 +287,14 @@ impl Checkpoint {
         plan: &SlicePlan,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, ReadStats)> {
-        let (bytes, report) = self.shards[shard].read_slice(info, plan, &self.opts, poll)?;
-        Ok((bytes, self.record(Strategy::Pread, &report)))
+        let strategy = self.strategy_for(Purpose::Parts);
+        let source = &self.shards[shard];
+        if strategy == Strategy::Mmap {
+            let part = crate::slice::cut(plan, &source.map_tensor(info)?)?;
+            return Ok((part, self.record(strategy, &Report::default())));
+        }
+        let (bytes, report) = source.read_slice(info, plan, strategy, &self.opts, poll)?;
+        Ok((bytes, self.record(strategy, &report)))
     }
 
     /// Data-area ranges of shard `shard` (`(offset, dest)`: `dest` filled from `offset` bytes
@@ -296,8 +305,10 @@ impl Checkpoint {
         ranges: Vec<(u64, &mut [u8])>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let report = source::read_data_ranges(&self.shards[shard], ranges, &self.opts, poll)?;
-        Ok(self.record(Strategy::Pread, &report))
+        let strategy = self.strategy_for(Purpose::Copies);
+        let source = &self.shards[shard];
+        let report = source::read_data_ranges(source, ranges, strategy, &self.opts, poll)?;
+        Ok(self.record(strategy, &report))
     }
 
     fn sources(&self) -> Vec<&Source> {

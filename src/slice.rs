@@ -286,6 +286,25 @@ pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index], bounds: Bounds) ->
     })
 }
 
+/// The elements of `plan` cut out of a whole tensor's bytes (`whole`: its map view or the
+/// read-ahead's copy) into new memory.
+pub fn cut(
+    plan: &SlicePlan,
+    whole: &crate::buffer::TensorBytes,
+) -> Result<crate::buffer::TensorBytes> {
+    let mut out = crate::buffer::allocate(&[plan.nbytes])
+        .map_err(|e| {
+            Error::Memory(format!(
+                "cannot allocate {} bytes for a slice: {e}",
+                plan.nbytes
+            ))
+        })?
+        .pop()
+        .expect("one size, one buffer");
+    gather(plan, whole.as_slice(), out.as_mut_slice());
+    Ok(out.into_shared())
+}
+
 /// Copies the planned rows out of the tensor's whole bytes (used by the mmap backend and tests).
 pub fn gather(plan: &SlicePlan, source: &[u8], out: &mut [u8]) {
     let mut pos = 0;

@@ -56,6 +56,51 @@ impl Strategy {
     }
 }
 
+/// What a read is for: with the backend's resolution for the file, what decides how it is done
+/// ([`for_purpose`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Whole tensors into new memory as the file holds them: views of the map where the
+    /// backend maps.
+    Views,
+    /// Parts of tensors (`get_slice(k)[...]`): cut out of the map where the backend maps, else
+    /// only the rows they need read.
+    Parts,
+    /// Bytes copied into memory that is not the map's: the caller's tensors (`load_into`,
+    /// `load_model`), a device's staging buffers or host alias, tensors converted on the way.
+    Copies,
+}
+
+/// How a read for `purpose` is done: the one place that turns a backend's resolution for a file
+/// (`resolved`, with the page-cache residency measured for it, `cached`) into the strategy that
+/// reads. Every read of a [`crate::checkpoint::Checkpoint`] asks it; nothing else rewrites a
+/// strategy.
+///
+/// - A map gives views and parts; a copy out of it would fault every page in and then copy, so
+///   copies read instead: from the page cache when warm (pread), around it when cold (uncached
+///   reads keep the disk's queue full where buffered reads wait on readahead a window at a time:
+///   README, "Reading into a model"). Not measured (an explicit `"mmap"`): pread.
+/// - Uncached reads the filesystem refused (`direct_refused`, seen by an earlier read): pread.
+/// - Otherwise what was resolved (`pread`, `direct`) reads for every purpose.
+pub fn for_purpose(
+    resolved: Strategy,
+    cached: Option<f64>,
+    purpose: Purpose,
+    direct_refused: bool,
+) -> Strategy {
+    let strategy = match (resolved, purpose) {
+        (Strategy::Mmap, Purpose::Copies) => match cached {
+            Some(fraction) if fraction < COLD_BELOW => Strategy::Direct,
+            _ => Strategy::Pread,
+        },
+        (strategy, _) => strategy,
+    };
+    match strategy {
+        Strategy::Direct if direct_refused => Strategy::Pread,
+        strategy => strategy,
+    }
+}
+
 /// Below this fraction of the file in the page cache, a local file counts as cold.
 pub const COLD_BELOW: f64 = 0.5;
 
@@ -162,6 +207,37 @@ pub fn drop_cached(file: &File) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_purpose_of_every_resolution() {
+        use Purpose::*;
+        use Strategy::*;
+        // (resolved, cached, purpose, direct refused) -> strategy
+        let table = [
+            (Mmap, Some(1.0), Views, false, Mmap),
+            (Mmap, Some(0.0), Views, false, Mmap),
+            (Mmap, None, Parts, false, Mmap),
+            (Mmap, Some(1.0), Copies, false, Pread),
+            (Mmap, Some(0.2), Copies, false, Direct),
+            (Mmap, Some(0.2), Copies, true, Pread),
+            (Mmap, None, Copies, false, Pread),
+            (Pread, Some(0.0), Views, false, Pread),
+            (Pread, Some(0.0), Parts, false, Pread),
+            (Pread, Some(0.0), Copies, false, Pread),
+            (Direct, None, Views, false, Direct),
+            (Direct, None, Parts, false, Direct),
+            (Direct, None, Copies, false, Direct),
+            (Direct, None, Views, true, Pread),
+            (Direct, None, Copies, true, Pread),
+        ];
+        for (resolved, cached, purpose, refused, want) in table {
+            assert_eq!(
+                for_purpose(resolved, cached, purpose, refused),
+                want,
+                "{resolved:?} {cached:?} {purpose:?} refused={refused}"
+            );
+        }
+    }
 
     #[test]
     fn choices() {

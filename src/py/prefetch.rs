@@ -121,7 +121,7 @@ impl Prefetch {
         let item = &self.ahead.items()[i];
         let s: &Source = &self.source;
         let (strategy, opts) = (self.strategy, self.opts);
-        let (mut read, report, _) = detached(py, |poll| {
+        let (mut read, report) = detached(py, |poll| {
             source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
         })?;
         self.read_by_takes

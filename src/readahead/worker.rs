@@ -257,7 +257,7 @@ impl Shared {
             Mode::Owned(strategy) => {
                 let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
                 let mut poll = || self.stop.load(Ordering::Relaxed);
-                let (tensors, report, _) =
+                let (tensors, report) =
                     source::read_or_map(&[source], &wanted, strategy, None, &self.opts, &mut poll)?;
                 Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
             }

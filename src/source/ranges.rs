@@ -18,12 +18,14 @@ const IN_PLACE_RUN_BYTES: usize = 64 << 10;
 const GATHER_GAP_BYTES: usize = 16 << 10;
 
 impl Source {
-    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer; returns it and the
-    /// read's report (the bytes read from the file, gathered spans included).
+    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer, the long ones with
+    /// `strategy` (Pread or Direct); returns it and the read's report (the bytes read from the
+    /// file, gathered spans included).
     pub fn read_slice(
         &self,
         info: &TensorInfo,
         plan: &SlicePlan,
+        strategy: Strategy,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, Report)> {
@@ -49,12 +51,10 @@ impl Source {
                 }
             }
         }
-        let mut report = engine::execute(
-            &[self.input(Strategy::Pread)],
-            &in_place,
-            settings(&[self], opts),
-            poll,
-        )?;
+        let input = self.input(strategy);
+        let refused = strategy == Strategy::Direct && input.direct.is_none();
+        let mut report = engine::execute(&[input], &in_place, settings(&[self], opts), poll)?;
+        report.direct_refused |= refused;
         drop(in_place);
         report.bytes += self.gather_small(info, &mut small)?;
         Ok((out.into_shared(), report))
@@ -106,11 +106,12 @@ impl Source {
 
 /// Reads data-area ranges into the caller's memory (accelerator staging buffers, MPS memory):
 /// each `(offset, dest)` takes `dest.len()` bytes from `offset` bytes into the data area. All of
-/// them are one plan, read by one worker pool in file order. Every range must lie within the
-/// data area; nothing is read when one does not.
+/// them are one plan, read by one worker pool in file order with `strategy` (Pread or Direct).
+/// Every range must lie within the data area; nothing is read when one does not.
 pub fn read_data_ranges(
     source: &Source,
     ranges: Vec<(u64, &mut [u8])>,
+    strategy: Strategy,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
@@ -143,10 +144,9 @@ pub fn read_data_ranges(
         let name = name_at(offset).unwrap_or("<data>");
         plan.add(0, source.header.data_start() + offset, dest, name);
     }
-    engine::execute(
-        &[source.input(Strategy::Pread)],
-        &plan,
-        settings(&[source], opts),
-        poll,
-    )
+    let input = source.input(strategy);
+    let refused = strategy == Strategy::Direct && input.direct.is_none();
+    let mut report = engine::execute(&[input], &plan, settings(&[source], opts), poll)?;
+    report.direct_refused |= refused;
+    Ok(report)
 }

@@ -149,9 +149,10 @@ fn read_tensors(
 pub type Tensors = Vec<(TensorBytes, Dtype)>;
 
 /// Tensors of one or more sources as `strategy` gives them: views of each file's map for
-/// `Mmap` (zero copy), unless `dtype` converts some of them (a map cannot change dtypes: then the
-/// parallel reader, as for `Pread`/`Direct`). Returns the bytes and dtype of each, the read's
-/// report (empty for maps) and the strategy that ran.
+/// `Mmap` (zero copy; `dtype` must convert none of them: a map cannot change dtypes, so
+/// [`crate::strategy::for_purpose`] never picks one for a converting read), else read by the
+/// parallel reader, converting to `dtype`. Returns the bytes and dtype of each and the read's
+/// report (empty for maps).
 pub fn read_or_map(
     sources: &[&Source],
     wanted: &[(usize, &TensorInfo)],
@@ -159,23 +160,19 @@ pub fn read_or_map(
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Tensors, Report, Strategy)> {
-    let converts = dtype.is_some_and(|d| wanted.iter().any(|(_, t)| t.dtype != d));
-    match strategy {
-        Strategy::Mmap if !converts => {
-            let views = wanted
-                .iter()
-                .map(|(s, t)| Ok((sources[*s].map_tensor(t)?, t.dtype)))
-                .collect::<Result<Vec<_>>>()?;
-            Ok((views, Report::default(), Strategy::Mmap))
-        }
-        Strategy::Mmap => {
-            let (out, report) = read_tensors(sources, wanted, Strategy::Pread, dtype, opts, poll)?;
-            Ok((out, report, Strategy::Pread))
-        }
-        strategy => {
-            let (out, report) = read_tensors(sources, wanted, strategy, dtype, opts, poll)?;
-            Ok((out, report, strategy))
-        }
+) -> Result<(Tensors, Report)> {
+    if strategy != Strategy::Mmap {
+        return read_tensors(sources, wanted, strategy, dtype, opts, poll);
     }
+    if let Some((_, t)) = dtype.and_then(|d| wanted.iter().find(|(_, t)| t.dtype != d)) {
+        return Err(Error::Internal(format!(
+            "tensor {} asked for as a view of the map in another dtype",
+            t.name
+        )));
+    }
+    let views = wanted
+        .iter()
+        .map(|(s, t)| Ok((sources[*s].map_tensor(t)?, t.dtype)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((views, Report::default()))
 }

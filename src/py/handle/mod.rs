@@ -123,10 +123,12 @@ impl Handle {
         Ok(Handle::of_shard(Arc::new(ckpt), 0, readahead))
     }
 
-    /// The backend reading this file: "mmap", "pread" or "direct".
+    /// The backend reading this file: "mmap", "pread" or "direct": what the latest read that
+    /// moved bytes ran (a device's staging reads, a converting read), else what whole tensors
+    /// will be read with.
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
-        Ok(self.ckpt()?.strategy().name())
+        Ok(self.ckpt()?.totals().backend.name())
     }
 
     /// The filesystem kind the file lives on ("local", "memory", "fuse", "nfs", ...).

@@ -4,16 +4,13 @@
 use pyo3::prelude::*;
 
 use super::Handle;
-use crate::buffer::{self, TensorBytes};
 use crate::checkpoint::Checkpoint;
-use crate::error::Error;
 use crate::header::TensorInfo;
 use crate::py::args::{parse_bounds, parse_key};
 use crate::py::bytes::Bytes;
 use crate::py::errors::detached;
 use crate::readahead::Mode;
 use crate::slice;
-use crate::strategy::Strategy;
 
 impl Handle {
     /// `read_slice`: (dtype, shape, bytes) of `plan` in tensor `info`, only the needed byte
@@ -42,13 +39,9 @@ impl Handle {
             }
             _ => None,
         };
-        let bytes = match (held, ckpt.strategy()) {
-            (Some(whole), _) => gather(&plan, &whole)?,
-            (None, Strategy::Mmap) => {
-                let whole = ckpt.shards[self.shard].map_tensor(info)?;
-                gather(&plan, &whole)?
-            }
-            _ => detached(py, |poll| ckpt.read_slice(self.shard, info, &plan, poll))?.0,
+        let bytes = match held {
+            Some(whole) => slice::cut(&plan, &whole)?,
+            None => detached(py, |poll| ckpt.read_slice(self.shard, info, &plan, poll))?.0,
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
     }
@@ -66,19 +59,4 @@ pub(super) fn slice_plan(
 
 pub(super) fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
     plan.shape == info.shape && plan.nbytes == info.nbytes()
-}
-
-/// The elements of `plan` cut out of a whole tensor's bytes, into new memory.
-fn gather(plan: &slice::SlicePlan, whole: &TensorBytes) -> PyResult<TensorBytes> {
-    let mut out = buffer::allocate(&[plan.nbytes])
-        .map_err(|e| {
-            PyErr::from(Error::Memory(format!(
-                "cannot allocate {} bytes for a slice: {e}",
-                plan.nbytes
-            )))
-        })?
-        .pop()
-        .expect("one size, one buffer");
-    slice::gather(plan, whole.as_slice(), out.as_mut_slice());
-    Ok(out.into_shared())
 }
