@@ -24,17 +24,37 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every name a caller may give, with its backend.
+    pub const ALL: [(&'static str, Backend); 4] = [
+        ("auto", Backend::Auto),
+        ("direct", Backend::Direct),
+        ("mmap", Backend::Mmap),
+        ("pread", Backend::Pread),
+    ];
     /// Accepted names, for error messages.
     pub const NAMES: &'static str = "\"auto\", \"direct\", \"mmap\", \"pread\"";
+    /// Environment variable that replaces the default backend ("auto") for every load.
+    pub const ENV: &'static str = "SAFELOAD_BACKEND";
 
     pub fn parse(name: &str) -> Option<Backend> {
-        match name {
-            "auto" => Some(Backend::Auto),
-            "mmap" => Some(Backend::Mmap),
-            "pread" => Some(Backend::Pread),
-            "direct" => Some(Backend::Direct),
-            _ => None,
-        }
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
+    }
+
+    /// The backend a call asks for by `name`: "auto" (the default) gives way to
+    /// `$SAFELOAD_BACKEND` where that is set; a name that is none of [`Backend::NAMES`] is an
+    /// error saying which are.
+    pub fn requested(name: &str) -> crate::error::Result<Backend> {
+        let from_env = std::env::var(Self::ENV).ok().filter(|v| !v.is_empty());
+        let name = match (name, &from_env) {
+            ("auto", Some(env)) => env.as_str(),
+            _ => name,
+        };
+        Self::parse(name).ok_or_else(|| {
+            crate::error::Error::Argument(format!(
+                "backend {name:?} is invalid (expected one of: {})",
+                Self::NAMES
+            ))
+        })
     }
 }
 

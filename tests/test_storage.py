@@ -91,6 +91,11 @@ def test_environment_variable_replaces_the_default(sample, monkeypatch):
     monkeypatch.setenv("SAFELOAD_BACKEND", "bogus")
     with pytest.raises(safeload.SafetensorError, match='backend "bogus" is invalid'):
         safeload.safe_open(path, "pt")
+    with pytest.raises(safeload.SafetensorError, match='backend "bogus" is invalid'):
+        sl.load_checkpoint(path)  # read where every reader reads it: in Rust
+    monkeypatch.delenv("SAFELOAD_BACKEND")
+    with pytest.raises(TypeError, match="argument 'backend': 'int' object is not a str"):
+        safeload.safe_open(path, "pt", backend=1)
 
 
 def test_drop_cache_leaves_file_uncached(sample):

@@ -9,7 +9,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
-from ._open import resolve_backend
 from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url, shard_paths
 
 Progress = Callable[[int, int], None]
@@ -73,7 +72,6 @@ def load_checkpoint(
     elif progress is False:
         progress = None
     convert, target = _converter(framework, device)
-    backend = resolve_backend(backend)
     out: Dict[str, Any] = {}
     if target is not None:  # accelerator: every shard through one staging ring
         callback = _progress_callback(progress) if progress is not None else None
@@ -146,7 +144,7 @@ def iter_checkpoint(
     into a model tensor by tensor."""
     paths = checkpoint_files(path_or_paths, storage_options)
     convert, _ = _converter(framework, device)
-    ckpt = Checkpoint(paths, resolve_backend(backend), threads=threads, chunk_bytes=chunk_bytes,
+    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes,
                       drop_cache=drop_cache, storage_options=storage_options)
     try:
         yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ._checkpoint import checkpoint_files
 from ._frameworks import torch_many, torch_shape
-from ._open import DEFAULT_BACKEND, resolve_backend
+from ._open import DEFAULT_BACKEND
 from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
 
@@ -29,7 +29,7 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
     match (checked before anything is read). Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(checkpoint_files(path_or_paths, storage_options), resolve_backend(backend), threads=threads,
+    ckpt = Checkpoint(checkpoint_files(path_or_paths, storage_options), backend, threads=threads,
                       chunk_bytes=chunk_bytes, drop_cache=drop_cache, storage_options=storage_options)
     try:
         return _read_into(ckpt, tensors)
@@ -84,7 +84,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     if _custom_loading(model):
         return None
     state = model.state_dict()
-    ckpt = Checkpoint(checkpoint_files(path_or_paths, kwargs.get("storage_options")), resolve_backend(backend),
+    ckpt = Checkpoint(checkpoint_files(path_or_paths, kwargs.get("storage_options")), backend,
                       **kwargs)
     try:
         infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}

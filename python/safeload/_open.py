@@ -11,21 +11,6 @@ from ._safeload import Handle, SafetensorError
 from ._stats import Stats
 
 DEFAULT_BACKEND = "auto"
-#: Environment variable that replaces the default backend ("auto") for every load.
-BACKEND_ENV = "SAFELOAD_BACKEND"
-
-
-def resolve_backend(backend: Any, device: str = "cpu") -> str:
-    """The backend name to use: ``backend``, or ``$SAFELOAD_BACKEND`` when it is the default.
-    Devices load through the parallel reader (staging ring, MPS alias), so "auto" means "pread"
-    there; for the CPU the Rust side resolves "auto" per file."""
-    if not isinstance(backend, str):
-        raise TypeError(f"argument 'backend': {type(backend).__name__!r} object is not a str")
-    if backend == DEFAULT_BACKEND:
-        backend = os.environ.get(BACKEND_ENV) or backend
-    if backend == DEFAULT_BACKEND and device != "cpu":
-        return "pread"
-    return backend
 
 
 def _framework(framework: Any) -> str:
@@ -77,7 +62,7 @@ class safe_open:
         device_name = _device.parse(device)
         self._handle = Handle(
             os.fspath(filename),
-            resolve_backend(backend, device_name),
+            backend,
             threads=threads,
             chunk_bytes=chunk_bytes,
             drop_cache=drop_cache,

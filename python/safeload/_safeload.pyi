@@ -38,6 +38,7 @@ __all__ = [
     "staging_ring",
     "parse_ring",
     "STAGING_RING_ENV",
+    "BACKENDS",
     "serialize_file",
     "is_url",
     "checkpoint_urls",
@@ -47,6 +48,8 @@ __version__: str
 #: format code -> (torch dtype name, numpy dtype name, whether that is ml_dtypes', bits)
 DTYPES: Dict[str, Tuple[Optional[str], Optional[str], bool, int]]
 STAGING_RING_ENV: str
+#: the backend names every reader takes ("auto" gives way to $SAFELOAD_BACKEND)
+BACKENDS: List[str]
 #: the format codes the reader converts between on load
 CONVERTIBLE: List[str]
 DEFAULT_CHUNK_BYTES: int
@@ -87,7 +90,7 @@ class Handle:
     def __new__(
         cls,
         path: Union[str, os.PathLike[str]],
-        backend: str = "auto",
+        backend: Optional[str] = None,
         *,
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
@@ -221,7 +224,7 @@ class Checkpoint:
     def __new__(
         cls,
         paths: Sequence[Union[str, os.PathLike[str]]],
-        backend: str = "auto",
+        backend: Optional[str] = None,
         *,
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,

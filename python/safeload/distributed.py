@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from . import _device, _logging
 from ._checkpoint import checkpoint_files
 from ._frameworks import to_dtype, to_torch, torch_dtype, torch_shape
-from ._open import Stats, resolve_backend
+from ._open import Stats
 from . import _safeload
 from ._safeload import Checkpoint, Handle, SafetensorError
 
@@ -246,7 +246,6 @@ def load_checkpoint(
     Ranks in ``ranks_needing`` are ranks within ``process_group``. ``return_stats``: also
     return a :class:`~safeload._open.Stats` whose ``bytes_read`` counts the bytes this
     process read from storage. See the module docstring."""
-    backend = resolve_backend(backend)
     if backend == "mmap":
         backend = "auto"  # shares are read into memory the tensors own
     target = _device.parse(device)

@@ -41,6 +41,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ._safeload import BACKENDS
+
 __all__ = ["patch", "unpatch", "patched", "is_patched", "originals", "ENV", "PTH_NAME", "PTH_LINE"]
 
 #: Environment variable read by the startup hook.
@@ -53,7 +55,7 @@ PTH_LINE = (
     'and __import__("safeload.patch", fromlist=["_autopatch"])._autopatch()'
 )
 
-_BACKENDS = ("auto", "pread", "direct", "mmap")
+_BACKENDS = tuple(BACKENDS)  # the reader's names
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 

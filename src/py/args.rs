@@ -15,13 +15,31 @@ use crate::strategy::Backend;
 /// (name, dtype code, shape, bytes): what Python turns into a tensor.
 pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
 
-pub(super) fn parse_backend(name: &str) -> PyResult<Backend> {
-    Backend::parse(name).ok_or_else(|| {
-        PyErr::from(Error::Argument(format!(
-            "backend {name:?} is invalid (expected one of: {})",
-            Backend::NAMES
-        )))
-    })
+/// A `backend=` argument: a str naming one of [`Backend::NAMES`] ("auto" gives way to
+/// `$SAFELOAD_BACKEND`: [`Backend::requested`]); anything else is a `TypeError`, as 0.8's typed
+/// arguments raise.
+pub(super) struct BackendArg(pub Backend);
+
+impl<'py> FromPyObject<'_, 'py> for BackendArg {
+    type Error = PyErr;
+
+    fn extract(ob: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        let name = ob.extract::<String>().map_err(|_| {
+            let kind = ob.get_type().name().map_or("?".into(), |n| n.to_string());
+            PyTypeError::new_err(format!("{kind:?} object is not a str").replace('"', "'"))
+        })?;
+        Ok(BackendArg(Backend::requested(&name)?))
+    }
+}
+
+impl BackendArg {
+    /// The backend given, else the default ("auto", or `$SAFELOAD_BACKEND`).
+    pub(super) fn or_default(given: Option<BackendArg>) -> PyResult<Backend> {
+        match given {
+            Some(BackendArg(backend)) => Ok(backend),
+            None => Ok(Backend::requested("auto")?),
+        }
+    }
 }
 
 pub(super) fn options(

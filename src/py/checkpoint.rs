@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
-use super::args::{TensorTuple, options, parse_backend, parse_dtype};
+use super::args::{BackendArg, TensorTuple, options, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::detached;
@@ -55,17 +55,17 @@ impl Checkpoint {
 #[pymethods]
 impl Checkpoint {
     #[new]
-    #[pyo3(signature = (paths, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
+    #[pyo3(signature = (paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
     fn new(
         py: Python<'_>,
         paths: Vec<PathBuf>,
-        backend: &str,
+        backend: Option<BackendArg>,
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
         drop_cache: bool,
         storage_options: Option<StorageOptions>,
     ) -> PyResult<Self> {
-        let backend = parse_backend(backend)?;
+        let backend = BackendArg::or_default(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
         let store = storage_options.unwrap_or_default().0;
         let inner =

@@ -88,6 +88,10 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
     m.add("DTYPES", dtypes(m.py())?)?;
     m.add("STAGING_RING_ENV", crate::staging::RING_ENV)?;
+    m.add(
+        "BACKENDS",
+        crate::strategy::Backend::ALL.map(|(name, _)| name),
+    )?;
     m.add("CONVERTIBLE", crate::convert::CONVERTIBLE.map(|d| d.code()))?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<handle::Handle>()?;

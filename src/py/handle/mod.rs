@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{TensorTuple, options, parse_backend, parse_dtype};
+use super::args::{BackendArg, TensorTuple, options, parse_dtype};
 use super::bytes::Bytes;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
@@ -104,19 +104,19 @@ impl Handle {
     /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
     /// whole-tensor reads then never read ahead.
     #[new]
-    #[pyo3(signature = (path, backend="auto", *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None))]
+    #[pyo3(signature = (path, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
     fn new(
         py: Python<'_>,
         path: PathBuf,
-        backend: &str,
+        backend: Option<BackendArg>,
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
         drop_cache: bool,
         readahead: bool,
         storage_options: Option<super::remote::StorageOptions>,
     ) -> PyResult<Self> {
-        let backend = parse_backend(backend)?;
+        let backend = BackendArg::or_default(backend)?;
         let store = storage_options.unwrap_or_default().0;
         let opts = options(threads, chunk_bytes, drop_cache);
         let ckpt = py.detach(|| Checkpoint::open_with(&[path], backend, opts, &store))?;
