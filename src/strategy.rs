@@ -143,8 +143,8 @@ pub fn auto_may_map() -> bool {
     platform::MAP_IS_SAFE && std::env::var("SAFELOAD_AUTO_MMAP").as_deref() != Ok("0")
 }
 
-/// The backend "auto" picks for CPU tensors from a file of `data_len` bytes (devices always read
-/// with the parallel reader; the binding asks for "pread" there).
+/// The backend "auto" picks for a file of `data_len` bytes (a read that copies, a device's
+/// among them, reads instead of mapping: [`for_purpose`]).
 ///
 /// - Network and FUSE filesystems, never mmap (every page fault would be a small remote read,
 ///   and truncation under a map is SIGBUS): cold, uncached reads (O_DIRECT), which the kernel
