@@ -194,6 +194,11 @@ impl TensorBytes {
         unsafe { std::slice::from_raw_parts(self.as_mut_ptr(), self.len) }
     }
 
+    /// The region these bytes are a range of (None for empty bytes).
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        self.storage.as_ref()
+    }
+
     /// These bytes as they may be handed out now: a view of a file's map that the file no
     /// longer covers (it shrank under the map since the view was made, so a touch would raise
     /// SIGBUS) is an error naming the file and `tensor`. One `fstat` for a view of a map;

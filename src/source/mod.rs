@@ -163,10 +163,34 @@ impl Source {
     /// Bytes of a tensor as a view of a private (copy-on-write) map of the file: lazy, zero-copy.
     /// Falls back to a copy when the tensor is not aligned to its element size in the file.
     pub fn map_tensor(&self, info: &TensorInfo) -> Result<TensorBytes> {
+        Ok(self
+            .map_tensors(&[info])?
+            .pop()
+            .expect("one tensor, one view"))
+    }
+
+    /// [`Source::map_tensor`] of several tensors, the file's length checked once for them all
+    /// (one `fstat`, against the furthest end: see [`Source::map_span`]).
+    pub fn map_tensors(&self, infos: &[&TensorInfo]) -> Result<Vec<TensorBytes>> {
+        let furthest = infos
+            .iter()
+            .filter(|t| t.nbytes() > 0)
+            .max_by_key(|t| t.end);
+        let Some(furthest) = furthest else {
+            return Ok(infos.iter().map(|_| TensorBytes::empty()).collect());
+        };
+        let span = self.map_span(&furthest.name, furthest.begin, furthest.end)?;
+        let map = span.region().expect("a view of the map");
+        infos.iter().map(|t| self.view(map, t)).collect()
+    }
+
+    /// Tensor `info` in `map` (which covers it: checked by the caller).
+    fn view(&self, map: &Arc<Region>, info: &TensorInfo) -> Result<TensorBytes> {
         if info.nbytes() == 0 {
             return Ok(TensorBytes::empty());
         }
-        let bytes = self.map_span(&info.name, info.begin, info.end)?;
+        let at = self.header.data_start() as usize + info.begin;
+        let bytes = TensorBytes::new(map.clone(), at, info.nbytes());
         let align = (info.dtype.bits() / 8).clamp(1, 8);
         if (bytes.as_mut_ptr() as usize).is_multiple_of(align) {
             return Ok(bytes);

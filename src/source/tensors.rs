@@ -170,9 +170,22 @@ pub fn read_or_map(
             t.name
         )));
     }
-    let views = wanted
-        .iter()
-        .map(|(s, t)| Ok((sources[*s].map_tensor(t)?, t.dtype)))
-        .collect::<Result<Vec<_>>>()?;
+    // Each source's views together: its file's length is checked once for all of them.
+    let mut views: Vec<Option<TensorBytes>> = vec![None; wanted.len()];
+    for (s, source) in sources.iter().enumerate() {
+        let (at, infos): (Vec<usize>, Vec<&TensorInfo>) = (wanted.iter().enumerate())
+            .filter(|(_, (of, _))| *of == s)
+            .map(|(i, (_, t))| (i, *t))
+            .unzip();
+        if infos.is_empty() {
+            continue;
+        }
+        for (i, view) in at.into_iter().zip(source.map_tensors(&infos)?) {
+            views[i] = Some(view);
+        }
+    }
+    let views = (views.into_iter().zip(wanted))
+        .map(|(view, (_, t))| (view.expect("every tensor has a source"), t.dtype))
+        .collect();
     Ok((views, Report::default()))
 }
