@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
-from ._frameworks import FRAMEWORKS, to_dtype, torch_dtype, torch_shape
+from ._frameworks import to_dtype, torch_dtype, torch_shape
 from ._safeload import STAGING_RING_ENV, Checkpoint, Fill, Handle, TensorInfo, staging_plan, staging_ring
 from ._stats import StagingStats
 
@@ -236,17 +236,6 @@ def make_sink(device: Any) -> Sink:
 
 
 # -- loader ---------------------------------------------------------------------------------------
-
-
-def device_target(framework: Any, device: Any) -> Any:
-    """The torch.device a load should be staged to (torch framework, non-CPU device), else None.
-    Raises SafetensorError, before any read, when torch lacks the device."""
-    if FRAMEWORKS.get(framework) != "pytorch":
-        return None
-    parsed = _device.parse(device) or "cpu"
-    if parsed == "cpu":
-        return None
-    return _device.torch_device(parsed)
 
 
 Source = Union[Handle, str, "os.PathLike[str]"]

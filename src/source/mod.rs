@@ -94,13 +94,8 @@ impl Source {
     }
 
     /// The strategy a backend request means for this file ("auto" looks at the filesystem and
-    /// at how much of the data is in the page cache).
-    pub fn resolve(&self, backend: Backend) -> Strategy {
-        self.resolve_measured(backend).0
-    }
-
-    /// [`Source::resolve`], with the page-cache residency "auto" measured for it (None when it
-    /// was not measured or cannot be told), so a caller can reuse the one probe.
+    /// at how much of the data is in the page cache), with the page-cache residency measured for
+    /// it (None when it was not measured or cannot be told), so a caller can reuse the one probe.
     pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
         if self.backing.is_remote() {
             // Objects in a store are read with ranged GETs, whatever was asked for.
