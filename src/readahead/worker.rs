@@ -215,7 +215,7 @@ impl Shared {
     pub(super) fn populate(&self, info: &TensorInfo) {
         let (begin, end) = (info.begin, info.end);
         let source = &*self.source;
-        let span = source.map_span(&info.name, begin, end);
+        let span = source.map_span_to_populate(&info.name, begin, end);
         let (Ok(span), Some(file)) = (span, source.backing.file()) else {
             return;
         };

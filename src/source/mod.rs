@@ -203,13 +203,26 @@ impl Source {
     /// A file that is shorter now than it was at open is an error, never a view whose touch
     /// would raise SIGBUS (views handed out earlier keep safetensors 0.8's behaviour).
     pub fn map_span(&self, tensor: &str, begin: usize, end: usize) -> Result<TensorBytes> {
+        self.map_span_to_populate(tensor, begin, end)?
+            .checked(tensor)
+    }
+
+    /// [`Source::map_span`] without asking whether the file still covers it: for making pages
+    /// resident only (`MADV_POPULATE_READ` reports a page past the end of the file as an error,
+    /// not a signal), never for bytes anyone reads. The map itself covers it (checked).
+    pub fn map_span_to_populate(
+        &self,
+        tensor: &str,
+        begin: usize,
+        end: usize,
+    ) -> Result<TensorBytes> {
         let map = self.mapping()?;
         let at = self.header.data_start() as usize + begin;
         let len = end - begin;
         if at + len > map.len() {
             return Err(self.shrank(tensor, map.len() as u64));
         }
-        TensorBytes::new(map, at, len).checked(tensor)
+        Ok(TensorBytes::new(map, at, len))
     }
 
     fn shrank(&self, tensor: &str, len: u64) -> Error {
