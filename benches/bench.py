@@ -398,7 +398,7 @@ def _worker_measure(spec: Dict[str, Any]) -> Dict[str, Any]:
         try:
             from safeload import _safeload
 
-            out["fs_kind"] = ",".join(sorted({_safeload.residency(f)[1] for f in files}))
+            out["fs_kind"] = ",".join(sorted({_safeload._testing.residency(f)[1] for f in files}))
         except Exception as e:  # noqa: BLE001 - informational only
             out["fs_kind"] = f"? ({type(e).__name__}: {e})"
     out["rss_before_kib"] = _rss_kib()
@@ -690,11 +690,13 @@ def _spec_bytes(spec: Tuple[str, Tuple[int, ...], str]) -> int:
 
 
 def datasets_from_paths(paths: Sequence[str]) -> List[Dataset]:
-    from safeload._checkpoint import checkpoint_files
+    from safeload._safeload import Checkpoint
 
     out = []
     for p in paths:
-        files = [os.path.abspath(f) for f in checkpoint_files(p)]
+        opened = Checkpoint(p)
+        files = [os.path.abspath(f) for f in opened.paths]
+        opened.close()
         index = None
         if os.path.isdir(p):
             idx = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))

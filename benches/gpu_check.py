@@ -283,7 +283,7 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     # The engine's read into the pinned ring alone (no device copies).
     ring_bufs = [torch.empty(min(b, nbytes), dtype=torch.uint8, pin_memory=True) for _ in range(n)]
     handle = Handle(path, "pread")
-    fills = _safeload.staging_fills([(i.name, i.begin, i.end) for i in handle.infos()], b)
+    fills = _safeload._testing.staging_fills([(i.name, i.begin, i.end) for i in handle.infos()], b)
 
     def staged_read():
         for i, fill in enumerate(fills):
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
                         help="no GPU needed: the staging loader through a deferring CPU sink")
     args = parser.parse_args(argv)
     try:
-        ring = _safeload.parse_ring(args.ring)
+        ring = _safeload._testing.parse_ring(args.ring)
     except ValueError as e:
         parser.error(str(e))
     if args.rounds < 1:

@@ -5,7 +5,7 @@
 //! cache and one total of every read.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -54,6 +54,22 @@ impl Checkpoint {
     /// Opens every shard and indexes the tensors; a name in two shards is an error.
     pub fn open(paths: &[PathBuf], backend: Backend, opts: ReadOptions) -> Result<Checkpoint> {
         Self::open_with(paths, backend, opts, &[])
+    }
+
+    /// The checkpoint at `at`: a file, a directory, an index.json, a URL or a URL prefix,
+    /// resolved to its shards by `shards`' rule, then opened as [`Checkpoint::open_with`].
+    pub fn open_at(
+        at: &Path,
+        backend: Backend,
+        opts: ReadOptions,
+        store: &crate::remote::Options,
+    ) -> Result<Checkpoint> {
+        Self::open_with(
+            &crate::shards::shard_files(at, store)?,
+            backend,
+            opts,
+            store,
+        )
     }
 
     /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`.

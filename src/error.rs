@@ -45,6 +45,9 @@ pub enum Error {
     /// Shards that do not make one checkpoint (a tensor in more than one of them); the message
     /// is complete.
     Checkpoint(String),
+    /// A directory (or a URL prefix) named as a checkpoint holds no `.safetensors` file and no
+    /// index (FileNotFoundError, as a missing file).
+    NoShards(PathBuf),
     /// A prefetch plan, or a request of a prefetch loader, that cannot be served; the message
     /// is complete (safetensors 0.9's wording).
     Prefetch(String),
@@ -113,6 +116,7 @@ impl Error {
     pub fn io_kind(&self) -> Option<io::ErrorKind> {
         match self {
             Error::Open { source, .. } | Error::Write { source, .. } => Some(source.kind()),
+            Error::NoShards(_) => Some(io::ErrorKind::NotFound),
             _ => None,
         }
     }
@@ -152,6 +156,9 @@ impl fmt::Display for Error {
                 Ok(())
             }
             Error::TensorNotFound { name } => write!(f, "File does not contain tensor {name}"),
+            Error::NoShards(path) => {
+                write!(f, "No .safetensors files in directory: {}", path.display())
+            }
             Error::Slice(message)
             | Error::SliceIndex(message)
             | Error::Staging(message)

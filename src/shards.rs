@@ -1,46 +1,105 @@
-//! Which files make a checkpoint: one file; a directory (its `*.safetensors.index.json`, else its
-//! `*.safetensors`, in name order); or an index (the shards its `weight_map` names, beside it).
-//! URLs resolve the same way in `remote::listing`, with the same index rule.
+//! Which files make a checkpoint, by one rule for paths and URLs alike: a file is itself; a
+//! directory (or a URL prefix) is its `*.safetensors.index.json` when it holds one, else its
+//! `*.safetensors` in name order; an index is the shards its `weight_map` names, beside it.
+//! Where the names come from is a [`Place`]: the file system here, an object store in
+//! `remote::listing`.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-/// The shard files of the checkpoint at `path`, in a stable order; empty for a directory that
-/// holds none.
-pub fn shard_paths(path: &Path) -> Result<Vec<PathBuf>> {
-    let open_err = |source| Error::Open {
-        path: path.to_path_buf(),
-        source,
-    };
-    if path.is_dir() {
-        let mut names: Vec<String> = std::fs::read_dir(path)
-            .map_err(open_err)?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .collect();
-        names.sort();
+/// Where a checkpoint's files are listed and its index read.
+pub trait Place {
+    /// Whether `at` is a directory (a prefix to list) rather than one file.
+    fn is_dir(&self, at: &Path) -> Result<bool>;
+    /// The names directly in the directory `at`, sorted.
+    fn names(&self, at: &Path) -> Result<Vec<String>>;
+    /// The whole of the index file `at`.
+    fn read(&self, at: &Path) -> Result<Vec<u8>>;
+    /// `name` in the directory `dir`.
+    fn join(&self, dir: &Path, name: &str) -> PathBuf;
+    /// The directory that holds the file `at`.
+    fn parent(&self, at: &Path) -> PathBuf;
+}
+
+/// The shard files of the checkpoint at `at` (a path or a URL, with the store's
+/// `storage_options`), in a stable order; a directory that holds none is an error.
+pub fn shard_files(at: &Path, options: &crate::remote::Options) -> Result<Vec<PathBuf>> {
+    if crate::remote::is_url(at) {
+        return crate::remote::checkpoint_urls(at, options);
+    }
+    resolve(&Local, at)
+}
+
+/// The rule, for any [`Place`].
+pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
+    if place.is_dir(at)? {
+        let names = place.names(at)?;
         if let Some(index) = names
             .iter()
             .find(|n| n.ends_with(".safetensors.index.json"))
         {
-            return shard_paths(&path.join(index));
+            return resolve(place, &place.join(at, index));
         }
-        let files = names.iter().filter(|n| n.ends_with(".safetensors"));
-        return Ok(files.map(|n| path.join(n)).collect());
+        let files: Vec<PathBuf> = (names.iter())
+            .filter(|n| n.ends_with(".safetensors"))
+            .map(|n| place.join(at, n))
+            .collect();
+        if files.is_empty() {
+            return Err(Error::NoShards(at.to_path_buf()));
+        }
+        return Ok(files);
     }
-    if path.extension().is_some_and(|e| e == "json") {
-        let json = std::fs::read(path).map_err(open_err)?;
-        let base = path.parent().unwrap_or(Path::new(""));
-        let names = index_shards(&path.display().to_string(), &json)?;
-        return Ok(names.into_iter().map(|n| base.join(n)).collect());
+    if at.to_string_lossy().ends_with(".json") {
+        let json = place.read(at)?;
+        let base = place.parent(at);
+        let names = index_shards(&at.display().to_string(), &json)?;
+        return Ok(names.into_iter().map(|n| place.join(&base, &n)).collect());
     }
-    Ok(vec![path.to_path_buf()])
+    Ok(vec![at.to_path_buf()])
+}
+
+/// The local file system.
+pub struct Local;
+
+impl Place for Local {
+    fn is_dir(&self, at: &Path) -> Result<bool> {
+        Ok(at.is_dir())
+    }
+
+    fn names(&self, at: &Path) -> Result<Vec<String>> {
+        let open_err = |source| Error::Open {
+            path: at.to_path_buf(),
+            source,
+        };
+        let mut names: Vec<String> = std::fs::read_dir(at)
+            .map_err(open_err)?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    fn read(&self, at: &Path) -> Result<Vec<u8>> {
+        std::fs::read(at).map_err(|source| Error::Open {
+            path: at.to_path_buf(),
+            source,
+        })
+    }
+
+    fn join(&self, dir: &Path, name: &str) -> PathBuf {
+        dir.join(name)
+    }
+
+    fn parent(&self, at: &Path) -> PathBuf {
+        at.parent().unwrap_or(Path::new("")).to_path_buf()
+    }
 }
 
 /// The shard names an index (`label`: where it came from, for the error) gives as its
 /// `weight_map` values, sorted, each once.
-pub fn index_shards(label: &str, json: &[u8]) -> Result<Vec<String>> {
+fn index_shards(label: &str, json: &[u8]) -> Result<Vec<String>> {
     let invalid = || {
         Error::Checkpoint(format!(
             "{label}: not a safetensors index (no 'weight_map' object)"
@@ -71,37 +130,39 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            names(shard_paths(&dir).unwrap()),
+            names(resolve(&Local, &dir).unwrap()),
             ["a.safetensors", "b.safetensors"]
         );
         let index = r#"{"metadata": {}, "weight_map": {"x": "s2.safetensors", "y": "s1.safetensors", "z": "s2.safetensors"}}"#;
         std::fs::write(dir.join("m.safetensors.index.json"), index).unwrap();
-        let got = shard_paths(&dir).unwrap();
+        let got = resolve(&Local, &dir).unwrap();
         assert_eq!(
             got,
             [dir.join("s1.safetensors"), dir.join("s2.safetensors")]
         );
         assert_eq!(
-            shard_paths(&dir.join("m.safetensors.index.json")).unwrap(),
+            resolve(&Local, &dir.join("m.safetensors.index.json")).unwrap(),
             got
         );
         std::fs::write(dir.join("bad.json"), b"[1, 2]").unwrap();
-        let e = shard_paths(&dir.join("bad.json")).unwrap_err();
+        let e = resolve(&Local, &dir.join("bad.json")).unwrap_err();
         assert!(
             e.to_string()
                 .ends_with("not a safetensors index (no 'weight_map' object)")
         );
         assert!(matches!(
-            shard_paths(&dir.join("gone.json")),
+            resolve(&Local, &dir.join("gone.json")),
             Err(Error::Open { .. })
         ));
         let file = dir.join("a.safetensors");
-        assert_eq!(shard_paths(&file).unwrap(), std::slice::from_ref(&file));
+        assert_eq!(resolve(&Local, &file).unwrap(), std::slice::from_ref(&file));
         std::fs::remove_dir_all(&dir).unwrap();
         let empty =
             std::env::temp_dir().join(format!("safeload-shards-empty-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
-        assert!(shard_paths(&empty).unwrap().is_empty());
+        let e = resolve(&Local, &empty).unwrap_err();
+        assert!(matches!(&e, Error::NoShards(p) if p == &empty), "{e}");
+        assert_eq!(e.io_kind(), Some(std::io::ErrorKind::NotFound));
         std::fs::remove_dir_all(&empty).unwrap();
     }
 }

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from safeload._safeload import convert_bytes  # every build has it: a missing one fails here
+from safeload._safeload import _testing  # every build has it: a missing one fails here
+
+convert_bytes = _testing.convert_bytes
 
 FLOATS = ["F32", "F16", "BF16"]
 TORCH: Dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

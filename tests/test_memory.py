@@ -1,5 +1,5 @@
 """Memory a container can predict (safeload's `src/memory.rs`): ``SAFELOAD_MEMORY_LIMIT`` and a
-cgroup limit (a fixture tree under ``_set_cgroup_root``) on real loads, each in a fresh process
+cgroup limit (a fixture tree under ``_testing.set_cgroup_root``) on real loads, each in a fresh process
 (both are read once per process). Checked: a load into owned memory that cannot fit raises a
 clear MemoryError before reading anything; ``auto`` loads the same file mapped, with 0.8's
 tensors; the pool keeps at most a quarter of what is left; and nothing changes without a limit.
@@ -109,7 +109,7 @@ def test_cgroup_limit_from_a_fixture_tree(big_file, tmp_path):
     (cg / "memory.max").write_text(f"{80 * MIB}\n")
     (cg / "memory.current").write_text(f"{20 * MIB}\n")
     (cg / "memory.stat").write_text(f"anon 1\ninactive_file {4 * MIB}\n")
-    setup = f"safeload._safeload._set_cgroup_root({str(root)!r})"
+    setup = f"safeload._safeload._testing.set_cgroup_root({str(root)!r})"
     out = run(LOAD.format(path=big_file, setup=setup))
     assert out["info"]["container"] == 64 * MIB  # 80 MiB less (20 - 4) MiB in use
     check_refused(out, big_file, "cgroup")

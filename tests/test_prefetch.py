@@ -283,7 +283,7 @@ def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_pat
     path = write_st(mixed_tensors(7))
     _container_headroom(tmp_path / "root", headroom_gib << 30)
     quarter = (headroom_gib << 30) // 4
-    _safeload._set_cgroup_root(str(tmp_path / "root"))
+    _safeload._testing.set_cgroup_root(str(tmp_path / "root"))
     try:
         with safeload.safe_open(path, "pt") as f:
             with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
@@ -293,7 +293,7 @@ def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_pat
             with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
                 assert cuda.budget_bytes == cpu.budget_bytes == 3 << 20
     finally:
-        _safeload._set_cgroup_root("/")
+        _safeload._testing.set_cgroup_root("/")
 
 
 def test_patched_safetensors_has_prefetch(write_st):

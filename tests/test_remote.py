@@ -327,6 +327,12 @@ def test_storage_options_reach_every_entry_point_and_stay_with_their_call(s3, mi
     url = "s3://models/mixed.safetensors"
     options = s3.options()
     _assert_same(safeload.torch.load_file(url, storage_options=options), ref)
+    with safeload.safe_open(url, "pt", storage_options=options) as f:
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, ref)
+        _assert_same(dict(f.prefetch()), ref)
+    arrays, expected = safeload.numpy.load_file(url, storage_options=options), safeload.numpy.load_file(path)
+    assert {k: (a.dtype, a.shape, a.tobytes()) for k, a in arrays.items()} == {
+        k: (a.dtype, a.shape, a.tobytes()) for k, a in expected.items()}
     _assert_same(safeload.torch.load_checkpoint(url, storage_options=options), ref)
     _assert_same(dict(safeload.torch.iter_checkpoint(url, storage_options=options)), ref)
     from safeload import distributed
@@ -356,7 +362,12 @@ def test_storage_options_reach_every_entry_point_and_stay_with_their_call(s3, mi
 
 
 def test_paths_that_are_not_urls(tmp_path):
-    assert not safeload._safeload.is_url(str(tmp_path / "s3:" / "x.safetensors"))
-    assert safeload._safeload.is_url("s3://b/x.safetensors") and safeload._safeload.is_url("https://h/x")
+    # A directory named "s3:" is a directory: "s3:/x" has no "://".
+    local = tmp_path / "s3:"
+    local.mkdir()
+    tensors = {"w": torch.arange(6, dtype=torch.float32)}
+    st_torch.save_file(tensors, str(local / "x.safetensors"))
+    assert torch.equal(safeload.torch.load_file(str(local / "x.safetensors"))["w"], tensors["w"])
+    assert torch.equal(safeload.torch.load_checkpoint(str(local))["w"], tensors["w"])
     with pytest.raises(FileNotFoundError):
         safeload.safe_open(str(tmp_path / "missing.safetensors"), "pt")

@@ -66,7 +66,7 @@ Info = collections.namedtuple("Info", "name dtype shape begin end")
 
 def plan_spans(infos, buffer_bytes):
     """The reader's staging plan of ``infos`` (what ``staging_plan`` makes per file)."""
-    return _safeload.staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes)
+    return _safeload._testing.staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes)
 
 
 def check_plan(infos, buffer_bytes, fills):
@@ -138,13 +138,13 @@ def test_plan_packs_small_and_splits_large():
 
 
 def test_parse_ring_and_env(monkeypatch):
-    assert _safeload.parse_ring("4x64MiB") == (4, 64 << 20)
-    assert _safeload.parse_ring("2 x 256M") == (2, 256 << 20)
-    assert _safeload.parse_ring("8x4096") == (8, 4096)
-    assert _safeload.parse_ring("1x1GiB") == (1, 1 << 30)
+    assert _safeload._testing.parse_ring("4x64MiB") == (4, 64 << 20)
+    assert _safeload._testing.parse_ring("2 x 256M") == (2, 256 << 20)
+    assert _safeload._testing.parse_ring("8x4096") == (8, 4096)
+    assert _safeload._testing.parse_ring("1x1GiB") == (1, 1 << 30)
     for bad in ("", "4", "0x64MiB", "4x0", "x64MiB", "4x64PB"):
         with pytest.raises(ValueError):
-            _safeload.parse_ring(bad)
+            _safeload._testing.parse_ring(bad)
     monkeypatch.delenv(_staging.RING_ENV, raising=False)
     assert _safeload.staging_ring() == (4, 64 << 20)
     monkeypatch.setenv(_staging.RING_ENV, "3x1KiB")

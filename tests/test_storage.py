@@ -10,10 +10,12 @@ import torch
 
 import safeload
 import safeload.torch as sl
-from safeload._safeload import residency
+from safeload._safeload import _testing
 from conftest import raw_bytes
 
 import slowfs  # tests/support/slowfs.py, on sys.path through conftest
+
+residency = _testing.residency
 
 FUSE_SKIP = slowfs.fuse_unavailable()
 

@@ -3,28 +3,14 @@ one worker pool so shards overlap; or streamed tensor by tensor with bounded mem
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
 from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
-from ._safeload import Checkpoint, SafetensorError, checkpoint_urls, is_url, shard_paths
+from ._safeload import Checkpoint, SafetensorError
 
 Progress = Callable[[int, int], None]
-
-
-def checkpoint_files(path_or_paths: Any, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
-    """The shard files of a checkpoint, in a stable order (URLs: resolved in Rust)."""
-    if isinstance(path_or_paths, (list, tuple)):
-        return [os.fspath(p) for p in path_or_paths]
-    path = os.fspath(path_or_paths)
-    if isinstance(path, str) and is_url(path):
-        return checkpoint_urls(path, storage_options)
-    paths = [os.fspath(p) for p in shard_paths(path)]
-    if not paths:
-        raise FileNotFoundError(f"No .safetensors files in directory: {path}")
-    return paths
 
 
 def _converter(framework: str, device: Any) -> Tuple[Callable[[str, str, List[int], Any], Any], Any]:
@@ -66,32 +52,29 @@ def load_checkpoint(
     batches to report), False for none; by default a bar is shown for multi-shard checkpoints
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
     :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
-    paths = checkpoint_files(path_or_paths, storage_options)
+    convert, target = _converter(framework, device)
+    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                      storage_options=storage_options)
+    paths = ckpt.paths
     if progress is None:
         progress = _wants_bar(paths) or None
     elif progress is False:
         progress = None
-    convert, target = _converter(framework, device)
     out: Dict[str, Any] = {}
-    if target is not None:  # accelerator: every shard through one staging ring
-        callback = _progress_callback(progress) if progress is not None else None
-        out, stats = _staging.load_checkpoint_to_device(
-            paths, target, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-            progress=callback, backend=backend, storage_options=storage_options, dtype=dtype)
-    else:  # one Checkpoint: shards opened once, one read (or maps, when "auto" maps)
-        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                          storage_options=storage_options)
-        try:
-            if progress is not None and dtype is None:  # in batches, to report
-                for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
-                    out[name] = tensor
-            else:
-                items, _ = ckpt.read(dtype=dtype_code(dtype))
-                for name, code, shape, data in items:
-                    out[name] = convert(name, code, shape, data)
-            stats = ckpt.stats()
-        finally:
-            ckpt.close()
+    try:
+        if target is not None:  # accelerator: every shard through one staging ring
+            callback = _progress_callback(progress) if progress is not None else None
+            out = _staging.load_checkpoint_to_device(ckpt, target, progress=callback, dtype=dtype)
+        elif progress is not None and dtype is None:  # in batches, to report
+            for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
+                out[name] = tensor
+        else:  # one read (or maps, when "auto" maps)
+            items, _ = ckpt.read(dtype=dtype_code(dtype))
+            for name, code, shape, data in items:
+                out[name] = convert(name, code, shape, data)
+        stats = ckpt.stats()
+    finally:
+        ckpt.close()
     _logging.log_read(paths, stats, "load_checkpoint")
     return (out, stats) if return_stats else out
 
@@ -142,12 +125,12 @@ def iter_checkpoint(
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
     into a model tensor by tensor."""
-    paths = checkpoint_files(path_or_paths, storage_options)
     convert, _ = _converter(framework, device)
-    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes,
+    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes,
                       drop_cache=drop_cache, storage_options=storage_options)
     try:
         yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))
+        _logging.log_read(ckpt.paths, ckpt.stats(), "iter_checkpoint")
     finally:
         ckpt.close()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._checkpoint import checkpoint_files
+from . import _logging
 from ._frameworks import torch_many, torch_shape
 from ._open import DEFAULT_BACKEND
 from ._stats import Stats
@@ -29,10 +29,12 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
     match (checked before anything is read). Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(checkpoint_files(path_or_paths, storage_options), backend, threads=threads,
+    ckpt = Checkpoint(path_or_paths, backend, threads=threads,
                       chunk_bytes=chunk_bytes, drop_cache=drop_cache, storage_options=storage_options)
     try:
-        return _read_into(ckpt, tensors)
+        stats = _read_into(ckpt, tensors)
+        _logging.log_read(ckpt.paths, stats, "load_into")
+        return stats
     finally:
         ckpt.close()
 
@@ -84,8 +86,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
     if _custom_loading(model):
         return None
     state = model.state_dict()
-    ckpt = Checkpoint(checkpoint_files(path_or_paths, kwargs.get("storage_options")), backend,
-                      **kwargs)
+    ckpt = Checkpoint(path_or_paths, backend, **kwargs)
     try:
         infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
         to_removes = _remove_duplicate_names(state, preferred_names=list(infos))
@@ -98,7 +99,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
         if mismatched:  # before any read: the model is left untouched
             raise RuntimeError(f"Error(s) in loading state_dict for {model.__class__.__name__}:\n\t"
                                + "\n\t".join(mismatched))
-        _read_into(ckpt, wanted)
+        _logging.log_read(ckpt.paths, _read_into(ckpt, wanted), "load_model")
     finally:
         ckpt.close()
     missing = {n for n in state if n not in infos}

@@ -4,8 +4,9 @@
     logging.basicConfig()
     logging.getLogger("safeload").setLevel(logging.DEBUG)
 
-Each ``get_tensors`` / ``load_file`` / ``load_checkpoint`` then logs one line: backend, threads,
-chunk size, bytes read, time and rate. Costs one ``isEnabledFor`` check when DEBUG is off.
+Each ``get_tensors`` / ``load_file`` / ``load_checkpoint`` / ``iter_checkpoint`` (once exhausted) /
+``load_into`` / ``load_model`` then logs one line: backend, threads, chunk size, bytes read, time
+and rate. Costs one ``isEnabledFor`` check when DEBUG is off.
 """
 
 from __future__ import annotations

@@ -24,24 +24,16 @@ __all__ = [
     "TensorSpec",
     "__version__",
     "assign_owners",
-    "convert_bytes",
     "deserialize",
-    "residency",
     "release_memory",
     "pooled_bytes",
     "memory_info",
-    "_set_cgroup_root",
     "serialize",
-    "shard_paths",
-    "staging_fills",
     "staging_plan",
     "staging_ring",
-    "parse_ring",
     "STAGING_RING_ENV",
     "BACKENDS",
     "serialize_file",
-    "is_url",
-    "checkpoint_urls",
 ]
 
 __version__: str
@@ -223,7 +215,7 @@ class Stream:
 class Checkpoint:
     def __new__(
         cls,
-        paths: Sequence[Union[str, os.PathLike[str]]],
+        path_or_paths: Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]],
         backend: Optional[str] = None,
         *,
         threads: Optional[int] = None,
@@ -233,6 +225,8 @@ class Checkpoint:
     ) -> Self: ...
     @property
     def backend(self) -> str: ...
+    @property
+    def paths(self) -> List[str]: ...
     def infos(self) -> List[TensorInfo]: ...
     def batches(self, names: Optional[List[str]] = None, *, max_bytes: int) -> List[List[str]]: ...
     def read(
@@ -263,7 +257,6 @@ class Share:
     def needing(self) -> List[int]: ...
 
 def assign_owners(sizes: Sequence[int], world: int, preset: Optional[Sequence[int]] = None) -> List[int]: ...
-def convert_bytes(data: bytes, from_dtype: str, to_dtype: str) -> bytes: ...
 
 @final
 class Fill:
@@ -278,20 +271,13 @@ class Fill:
     @property
     def offset(self) -> int: ...
 
-def staging_fills(tensors: Sequence[Tuple[str, int, int]], buffer_bytes: int, source: int = 0) -> List[Fill]: ...
 def staging_plan(
     files: Sequence[Sequence[TensorInfo]], names: Sequence[Optional[List[str]]], buffer_bytes: Optional[int]
 ) -> Tuple[List[List[TensorInfo]], List[Fill]]: ...
 def staging_ring(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int] = None) -> Tuple[int, int]: ...
-def parse_ring(text: str) -> Tuple[int, int]: ...
-def shard_paths(path: Union[str, os.PathLike[str]]) -> List[str]: ...
 def release_memory() -> int: ...
 def memory_info() -> Dict[str, Optional[int]]: ...
-def _set_cgroup_root(root: Union[str, os.PathLike[str]]) -> None: ...
 def pooled_bytes() -> int: ...
-def is_url(path: Union[str, os.PathLike[str]]) -> bool: ...
-def checkpoint_urls(url: str, storage_options: Optional[Dict[str, Any]] = None) -> List[str]: ...
-def residency(path: Union[str, os.PathLike[str]]) -> Tuple[Optional[float], str]: ...
 
 @final
 class TensorSpec:

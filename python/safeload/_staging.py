@@ -415,22 +415,11 @@ def _load(
     return {t.name: out[t.name] for infos in wanted for t in infos}, stats
 
 
-def load_checkpoint_to_device(
-    paths: List[str],
-    target: Any,
-    *,
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
-    drop_cache: bool = False,
-    progress: Optional[Progress] = None,
-    backend: str = "auto",
-    storage_options: Optional[Dict[str, Any]] = None,
-    dtype: Any = None,
-) -> Tuple[Dict[str, Any], Any]:
-    """``load_checkpoint`` to a device: every shard through one staging ring. ``dtype`` converts
-    the floating-point tensors on the device (torch's conversion, which the CPU path's matches bit
-    for bit). Returns the state dict and the reader's :class:`Stats` of its reads."""
-    out, stats = load_to_device(paths, target, progress=progress, threads=threads, chunk_bytes=chunk_bytes,
-                                drop_cache=drop_cache, backend=backend, storage_options=storage_options)
-    return to_dtype(out, dtype), stats.read
-
+def load_checkpoint_to_device(ckpt: Any, target: Any, *, progress: Optional[Progress] = None,
+                              dtype: Any = None) -> Dict[str, Any]:
+    """``load_checkpoint`` to a device: every shard of an open ``Checkpoint`` (its backend, threads,
+    chunk size, cache and storage options) through one staging ring. ``dtype`` converts the
+    floating-point tensors on the device (torch's conversion, which the CPU path's matches bit for
+    bit). The reads count in ``ckpt.stats()``."""
+    out, _ = load_to_device(ckpt.handles(), target, progress=progress)
+    return to_dtype(out, dtype)

@@ -24,11 +24,9 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _device, _logging
-from ._checkpoint import checkpoint_files
 from ._frameworks import to_dtype, to_torch, torch_dtype, torch_shape
-from ._open import Stats
 from . import _safeload
-from ._safeload import Checkpoint, Handle, SafetensorError
+from ._safeload import Checkpoint, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
 
@@ -122,7 +120,8 @@ def _check(dist: Any, group: Any, rank: int, error: Optional[BaseException], com
 
 def _read_share(ckpt: Any, mine: Sequence[_Entry]) -> Dict[str, Any]:
     """Reads this rank's tensors of a round through the checkpoint's one worker pool (shards
-    opened once for the whole load); CPU tensors each owning its memory."""
+    opened once for the whole load), as ``load_checkpoint`` reads them (views of the map where the
+    backend maps)."""
     if not mine:
         return {}
     items, _ = ckpt.read([e.name for e in mine])
@@ -246,8 +245,6 @@ def load_checkpoint(
     Ranks in ``ranks_needing`` are ranks within ``process_group``. ``return_stats``: also
     return a :class:`~safeload._open.Stats` whose ``bytes_read`` counts the bytes this
     process read from storage. See the module docstring."""
-    if backend == "mmap":
-        backend = "auto"  # shares are read into memory the tensors own
     target = _device.parse(device)
     if plan is not None:
         if ranks_needing is not None or selection is not None:
@@ -267,9 +264,9 @@ def load_checkpoint(
     ckpt: Any = None
     try:
         dev = _device.torch_device(target)
-        paths = checkpoint_files(path_or_paths, storage_options)
-        ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+        ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
                           storage_options=storage_options)
+        paths = ckpt.paths
         digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
         error = exc
@@ -316,28 +313,25 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
     """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need."""
     out: Dict[str, Any] = {}
     paths: List[str] = []
-    stats = Stats(backend)  # nothing read yet; each file's handle adds its own
+    stats: Any = None
     error: Optional[BaseException] = None
     try:
-        paths = checkpoint_files(path_or_paths, storage_options)
-        wanted = dict(plan)
-        for p in paths:
-            if not wanted:
-                break
-            # The plan says which bytes are wanted: nothing is read ahead.
-            h = Handle(p, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache, readahead=False,
-                       storage_options=storage_options)
-            try:
-                here = [n for n in h.offset_keys() if n in wanted]
-                for name in here:
-                    index = wanted.pop(name)
-                    rcode, rshape, data = h.read_slice(name, Ellipsis if index is None else index)
-                    out[name] = to_torch(rcode, rshape, data, name)
-                stats = stats + h.stats()  # every read, whole tensors and slices, records its bytes
-            finally:
-                h.close()
-        if wanted:
-            raise SafetensorError(f"plan names tensors the checkpoint does not have: {sorted(wanted)[:5]}")
+        ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                          storage_options=storage_options)
+        try:
+            paths = ckpt.paths
+            missing = set(plan) - {i.name for i in ckpt.infos()}
+            if missing:
+                raise SafetensorError(f"plan names tensors the checkpoint does not have: {sorted(missing)[:5]}")
+            for h in ckpt.handles():  # the plan says which bytes are wanted: nothing is read ahead
+                for name in h.offset_keys():
+                    if name in plan:
+                        index = plan[name]
+                        rcode, rshape, data = h.read_slice(name, Ellipsis if index is None else index)
+                        out[name] = to_torch(rcode, rshape, data, name)
+            stats = ckpt.stats()  # every read, whole tensors and slices, records its bytes
+        finally:
+            ckpt.close()
         if target != "cpu":
             dev = _device.torch_device(target)
             out = {k: v.to(dev) for k, v in out.items()}

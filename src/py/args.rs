@@ -42,6 +42,15 @@ impl BackendArg {
     }
 }
 
+/// What a caller names as a checkpoint: one place (a file, a directory, an index.json, a URL
+/// or a prefix; str or os.PathLike), resolved in the core by `shards`' rule; or a list or tuple
+/// of shard files, read as given.
+#[derive(FromPyObject)]
+pub(super) enum CheckpointArg {
+    At(std::path::PathBuf),
+    Files(Vec<std::path::PathBuf>),
+}
+
 pub(super) fn options(
     threads: Option<usize>,
     chunk_bytes: Option<usize>,

@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
-use super::args::{BackendArg, TensorTuple, options, parse_dtype};
+use super::args::{BackendArg, CheckpointArg, TensorTuple, options, parse_dtype};
 use super::bytes::Bytes;
 use super::dlpack::Destinations;
 use super::errors::detached;
@@ -55,10 +55,10 @@ impl Checkpoint {
 #[pymethods]
 impl Checkpoint {
     #[new]
-    #[pyo3(signature = (paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
+    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
     fn new(
         py: Python<'_>,
-        paths: Vec<PathBuf>,
+        path_or_paths: CheckpointArg,
         backend: Option<BackendArg>,
         threads: Option<usize>,
         chunk_bytes: Option<usize>,
@@ -68,8 +68,12 @@ impl Checkpoint {
         let backend = BackendArg::or_default(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
         let store = storage_options.unwrap_or_default().0;
-        let inner =
-            py.detach(|| checkpoint::Checkpoint::open_with(&paths, backend, opts, &store))?;
+        let inner = py.detach(|| match &path_or_paths {
+            CheckpointArg::At(at) => checkpoint::Checkpoint::open_at(at, backend, opts, &store),
+            CheckpointArg::Files(paths) => {
+                checkpoint::Checkpoint::open_with(paths, backend, opts, &store)
+            }
+        })?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),
         })
@@ -79,6 +83,12 @@ impl Checkpoint {
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
         Ok(self.get()?.strategy().name())
+    }
+
+    /// The shard files (paths or URLs) in order, as the checkpoint named them.
+    #[getter]
+    fn paths(&self) -> PyResult<Vec<PathBuf>> {
+        Ok(self.get()?.shards.iter().map(|s| s.path.clone()).collect())
     }
 
     /// Every tensor's header entry, in (shard, offset) order.

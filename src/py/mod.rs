@@ -5,7 +5,6 @@
 mod args;
 mod bytes;
 mod checkpoint;
-mod convert;
 mod dlpack;
 mod errors;
 mod handle;
@@ -17,6 +16,7 @@ mod shares;
 mod staging;
 mod stats;
 mod stream;
+mod testing;
 mod write;
 
 use pyo3::prelude::*;
@@ -55,19 +55,6 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(info)
 }
 
-/// The shard files of a local checkpoint (a file, a directory, an index.json), in a stable
-/// order; empty for a directory holding none. URLs: `checkpoint_urls`.
-#[pyfunction]
-fn shard_paths(path: std::path::PathBuf) -> PyResult<Vec<std::path::PathBuf>> {
-    Ok(crate::shards::shard_paths(&path)?)
-}
-
-/// Tests only: read cgroup files under `root` (a fixture tree) instead of `/`.
-#[pyfunction]
-fn _set_cgroup_root(root: std::path::PathBuf) {
-    crate::memory::set_cgroup_root(&root);
-}
-
 /// The one dtype table: format code -> (torch dtype name, numpy dtype name, whether that name
 /// is ml_dtypes' rather than numpy's, bits per element); None where the framework lacks it.
 fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
@@ -103,22 +90,15 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<info::Info>()?;
     m.add_class::<stream::Stream>()?;
     m.add_function(wrap_pyfunction!(shares::assign_owners, m)?)?;
-    m.add_function(wrap_pyfunction!(convert::convert_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(staging::staging_fills, m)?)?;
     m.add_function(wrap_pyfunction!(staging::staging_ring, m)?)?;
     m.add_function(wrap_pyfunction!(staging::staging_plan, m)?)?;
     m.add_class::<staging::Fill>()?;
-    m.add_function(wrap_pyfunction!(staging::parse_ring, m)?)?;
-    m.add_function(wrap_pyfunction!(handle::residency, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
-    m.add_function(wrap_pyfunction!(_set_cgroup_root, m)?)?;
-    m.add_function(wrap_pyfunction!(shard_paths, m)?)?;
-    m.add_function(wrap_pyfunction!(remote::is_url, m)?)?;
-    m.add_function(wrap_pyfunction!(remote::checkpoint_urls, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
+    m.setattr("_testing", testing::module(m.py())?)?; // not in __all__: not the API
     Ok(())
 }

@@ -23,14 +23,6 @@ pub fn staging_ring(
     staging::ring(positive(ring_buffers), positive(buffer_bytes)).map_err(PyErr::from)
 }
 
-/// `"4x64MiB"` -> (4, 67108864); ValueError for anything else.
-#[pyfunction]
-pub fn parse_ring(text: &str) -> PyResult<(usize, usize)> {
-    staging::parse_ring(text).ok_or_else(|| {
-        PyValueError::new_err(format!("ring {text:?}: expected COUNTxSIZE, e.g. 4x64MiB"))
-    })
-}
-
 /// One fill of a staging buffer: `source` (which file), `reads` (data offset, length, offset in
 /// the buffer: contiguous spans of the data area), `length` (buffer bytes used), `copies`
 /// (tensor name, offset in the tensor's bytes, offset in the buffer, length).

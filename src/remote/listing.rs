@@ -1,8 +1,9 @@
-//! Checkpoints named by URL: a file, a `*.index.json` (fetched, its shards resolved next to it),
-//! or a "directory" (a prefix listed for its index or its `*.safetensors`; not for http(s)).
+//! Checkpoints named by URL, resolved by `shards`' rule: an object store is a [`Place`] whose
+//! "directories" are prefixes (listed; not for http(s), which cannot list) and whose index is
+//! fetched whole.
 
 use std::collections::BTreeSet;
-use std::io;
+use std::path::{Path, PathBuf};
 
 use futures_util::TryStreamExt;
 use object_store::ObjectStore;
@@ -10,38 +11,48 @@ use object_store::path::Path as ObjectPath;
 
 use super::object::{Object, to_io};
 use super::{Options, store};
+use crate::error::{Error, Result};
+use crate::shards::{self, Place};
 
 /// The shard URLs of the checkpoint at `url`, in a stable order (as a local path resolves).
-pub fn checkpoint_urls(url: &str, options: &Options) -> io::Result<Vec<String>> {
-    let url = url.trim_end_matches('/');
-    if url.ends_with(".json") {
-        return index_shards(url, &Object::fetch_all(url, options)?);
+pub fn checkpoint_urls(url: &Path, options: &Options) -> Result<Vec<PathBuf>> {
+    let url = url.to_string_lossy();
+    shards::resolve(&Store { options }, Path::new(url.trim_end_matches('/')))
+}
+
+/// An object store, reached with the caller's options.
+struct Store<'a> {
+    options: &'a Options,
+}
+
+impl Place for Store<'_> {
+    fn is_dir(&self, at: &Path) -> Result<bool> {
+        let url = at.to_string_lossy();
+        let http = url.starts_with("http://") || url.starts_with("https://");
+        Ok(!(http || url.ends_with(".safetensors") || url.ends_with(".json")))
     }
-    if url.ends_with(".safetensors") || url.starts_with("http://") || url.starts_with("https://") {
-        return Ok(vec![url.to_string()]);
+
+    fn names(&self, at: &Path) -> Result<Vec<String>> {
+        let url = at.to_string_lossy();
+        let (store, prefix) =
+            store::locate(&url, self.options).map_err(|e| Error::remote(at, e))?;
+        store::runtime()
+            .block_on(list(store.as_ref(), &prefix))
+            .map_err(|e| Error::remote(at, to_io(&url, e)))
     }
-    let (store, prefix) = store::locate(url, options)?;
-    let names = store::runtime()
-        .block_on(list(store.as_ref(), &prefix))
-        .map_err(|e| to_io(url, e))?;
-    let mut indexes = names
-        .iter()
-        .filter(|n| n.ends_with(".safetensors.index.json"));
-    if let Some(index) = indexes.next() {
-        return checkpoint_urls(&format!("{url}/{index}"), options);
+
+    fn read(&self, at: &Path) -> Result<Vec<u8>> {
+        Object::fetch_all(&at.to_string_lossy(), self.options).map_err(|e| Error::remote(at, e))
     }
-    let files: Vec<String> = names
-        .iter()
-        .filter(|n| n.ends_with(".safetensors"))
-        .map(|n| format!("{url}/{n}"))
-        .collect();
-    if files.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("No .safetensors files in directory: {url}"),
-        ));
+
+    fn join(&self, dir: &Path, name: &str) -> PathBuf {
+        PathBuf::from(format!("{}/{name}", dir.to_string_lossy()))
     }
-    Ok(files)
+
+    fn parent(&self, at: &Path) -> PathBuf {
+        let url = at.to_string_lossy();
+        PathBuf::from(url.rsplit_once('/').map_or(&*url, |(base, _)| base))
+    }
 }
 
 /// Names directly under `prefix`, sorted.
@@ -60,32 +71,22 @@ async fn list(store: &dyn ObjectStore, prefix: &ObjectPath) -> object_store::Res
     Ok(names.into_iter().collect())
 }
 
-/// The shards an index names (its `weight_map` values), as URLs beside the index.
-fn index_shards(url: &str, json: &[u8]) -> io::Result<Vec<String>> {
-    let names = crate::shards::index_shards(url, json)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-    let base = url.rsplit_once('/').map_or(url, |(base, _)| base);
-    Ok(names.into_iter().map(|s| format!("{base}/{s}")).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn index_shards_resolve_beside_the_index() {
-        let json = br#"{"metadata": {}, "weight_map": {"a": "m-2.safetensors", "b": "m-1.safetensors", "c": "m-2.safetensors"}}"#;
-        let urls = index_shards("s3://b/dir/m.safetensors.index.json", json).unwrap();
+    fn urls_join_with_slashes_on_every_platform() {
+        let store = Store { options: &[] };
+        let dir = Path::new("s3://b/dir");
         assert_eq!(
-            urls,
-            ["s3://b/dir/m-1.safetensors", "s3://b/dir/m-2.safetensors"]
+            store.join(dir, "m-1.safetensors"),
+            PathBuf::from("s3://b/dir/m-1.safetensors")
         );
-        let err = index_shards("s3://b/x.json", b"[]")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("weight_map") && err.contains("s3://b/x.json"),
-            "{err}"
-        );
+        let index = Path::new("s3://b/dir/m.safetensors.index.json");
+        assert_eq!(store.parent(index), PathBuf::from("s3://b/dir"));
+        assert!(store.is_dir(dir).unwrap());
+        assert!(!store.is_dir(index).unwrap());
+        assert!(!store.is_dir(Path::new("https://h/models")).unwrap());
     }
 }

@@ -19,7 +19,6 @@ mod profile;
 mod store;
 
 #[cfg(feature = "remote")]
-#[cfg_attr(not(feature = "python"), allow(unused_imports))]
 pub use listing::checkpoint_urls;
 #[cfg(feature = "remote")]
 pub use object::Object;
@@ -31,6 +30,21 @@ pub type Options = [(String, String)];
 const SCHEMES: [&str; 9] = [
     "s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https",
 ];
+
+/// Without the `remote` feature no URL names a checkpoint this build can read.
+#[cfg(not(feature = "remote"))]
+pub fn checkpoint_urls(url: &Path, _: &Options) -> crate::error::Result<Vec<std::path::PathBuf>> {
+    Err(unavailable(url))
+}
+
+/// The error for a URL in a build without the `remote` feature.
+#[cfg(not(feature = "remote"))]
+pub fn unavailable(url: &Path) -> crate::error::Error {
+    crate::error::Error::Remote(format!(
+        "{}: this build of safeload reads no object storage (cargo feature `remote`)",
+        url.display()
+    ))
+}
 
 /// Whether `path` names an object by URL rather than a local file.
 pub fn is_url(path: &Path) -> bool {

@@ -7,7 +7,9 @@ use std::path::Path;
 #[cfg(feature = "remote")]
 use super::Backing;
 use super::Source;
-use crate::error::{Error, Result};
+#[cfg(feature = "remote")]
+use crate::error::Error;
+use crate::error::Result;
 #[cfg(feature = "remote")]
 use crate::header;
 #[cfg(feature = "remote")]
@@ -53,10 +55,7 @@ impl Source {
 
     #[cfg(not(feature = "remote"))]
     pub(super) fn open_remote(path: &Path, _: &crate::remote::Options) -> Result<Source> {
-        Err(Error::Remote(format!(
-            "{}: this build of safeload reads no object storage (cargo feature `remote`)",
-            path.display()
-        )))
+        Err(crate::remote::unavailable(path))
     }
 }
 

@@ -358,20 +358,3 @@ impl Handle {
         self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)
     }
 }
-
-/// Fraction of a file's bytes in the page cache (sampled with mincore), and its filesystem kind.
-#[pyfunction]
-pub fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
-    let open_err = |source| {
-        PyErr::from(Error::Open {
-            path: path.clone(),
-            source,
-        })
-    };
-    let file = std::fs::File::open(&path).map_err(open_err)?;
-    let len = file.metadata().map_err(open_err)?.len();
-    Ok((
-        crate::strategy::cached_fraction(&file, 0, len),
-        crate::platform::FsKind::of(&file, &path).name(),
-    ))
-}
