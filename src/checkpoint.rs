@@ -7,11 +7,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use crate::buffer::TensorBytes;
 use crate::dtype::Dtype;
-use crate::engine::Report;
+use crate::engine::{Report, Tally};
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::slice::SlicePlan;
@@ -46,8 +46,8 @@ pub struct Checkpoint {
     resolved: OnceLock<(Strategy, Option<f64>)>,
     /// Uncached reads were asked for and the filesystem refused them: reads are buffered since.
     direct_refused: AtomicBool,
-    /// Every read so far, added up, and the strategy of the latest that moved bytes.
-    totals: Mutex<(Report, Option<Strategy>)>,
+    /// Every read so far, its read-aheads' and prefetches' included.
+    totals: Arc<Tally>,
 }
 
 impl Checkpoint {
@@ -79,6 +79,14 @@ impl Checkpoint {
         opts: ReadOptions,
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
+        if backend == Backend::Mmap && opts.drop_cache {
+            return Err(Error::Argument(
+                "drop_cache=True drops a file's pages from the page cache after reading them, and \
+                 backend \"mmap\" reads none (its tensors are the mapped pages): use backend=\
+                 \"auto\" (which then reads), \"pread\" or \"direct\""
+                    .into(),
+            ));
+        }
         let shards = paths
             .iter()
             .map(|p| Source::open_with(p, store).map(Arc::new))
@@ -107,7 +115,7 @@ impl Checkpoint {
             chunk_bytes,
             resolved: OnceLock::new(),
             direct_refused: AtomicBool::new(false),
-            totals: Mutex::new((Report::default(), None)),
+            totals: Arc::default(),
         })
     }
 
@@ -192,6 +200,12 @@ impl Checkpoint {
         strategy::for_purpose(resolved, cached, purpose, refused)
     }
 
+    /// Where reads made for this checkpoint on other threads (read-aheads, prefetch loaders)
+    /// count, so that its totals include them.
+    pub fn tally(&self) -> Arc<Tally> {
+        self.totals.clone()
+    }
+
     /// The tuning reads use (the caller's threads and request size, or None: picked per read).
     pub fn options(&self) -> ReadOptions {
         self.opts
@@ -200,7 +214,7 @@ impl Checkpoint {
     fn resolution(&self) -> (Strategy, Option<f64>) {
         *self.resolved.get_or_init(|| {
             self.shards.first().map_or((Strategy::Pread, None), |s| {
-                s.resolve_measured(self.backend)
+                s.resolve_measured(self.backend, &self.opts)
             })
         })
     }
@@ -222,7 +236,7 @@ impl Checkpoint {
 
     /// The totals, with `unread()` as the backend when no read has run yet.
     fn totals_or(&self, unread: impl FnOnce() -> Strategy) -> ReadStats {
-        let (report, latest) = *self.totals.lock().unwrap_or_else(|p| p.into_inner());
+        let (report, latest) = self.totals.get();
         self.stats(latest.unwrap_or_else(unread), &report)
     }
 
@@ -231,24 +245,13 @@ impl Checkpoint {
             self.direct_refused.store(true, Ordering::Relaxed);
         }
         let stats = self.stats(backend, report);
-        let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        let (sum, latest) = &mut *totals;
-        sum.bytes += report.bytes;
-        sum.seconds += report.seconds;
-        sum.threads = sum.threads.max(report.threads);
-        if report.bytes > 0 || latest.is_none() {
-            *latest = Some(stats.backend);
-        }
+        self.totals.add(stats.backend, report);
         stats
     }
 
     fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
         ReadStats {
-            backend: if report.direct_refused {
-                Strategy::Pread
-            } else {
-                backend
-            },
+            backend: report.ran_with(backend),
             threads: report.threads,
             chunk_bytes: self.chunk_bytes,
             bytes: report.bytes,

@@ -16,6 +16,7 @@ use crate::buffer::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment, Transform};
 use crate::platform::{self, Uncached};
+use crate::strategy::Strategy;
 
 /// How often the waiting thread calls `poll`.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -46,6 +47,44 @@ pub struct Report {
     pub threads: usize,
     /// Uncached reads were refused (EINVAL) and buffered reads were used instead.
     pub direct_refused: bool,
+}
+
+impl Report {
+    /// The strategy a read asked to use `asked` ran with: pread where uncached reads were
+    /// refused.
+    pub fn ran_with(&self, asked: Strategy) -> Strategy {
+        match asked {
+            Strategy::Direct if self.direct_refused => Strategy::Pread,
+            asked => asked,
+        }
+    }
+}
+
+/// Reads added up as they finish: bytes, seconds, the most workers one used, and the strategy
+/// of the latest that moved bytes (the first read's while none has). A checkpoint shares its
+/// tally with the read-aheads and prefetch loaders reading its files, so a handle's stats count
+/// every read made for it, whichever thread made it.
+#[derive(Debug, Default)]
+pub struct Tally(Mutex<(Report, Option<Strategy>)>);
+
+impl Tally {
+    /// Counts one read that asked for `strategy`.
+    pub fn add(&self, strategy: Strategy, report: &Report) {
+        let strategy = report.ran_with(strategy);
+        let mut tally = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (sum, latest) = &mut *tally;
+        sum.bytes += report.bytes;
+        sum.seconds += report.seconds;
+        sum.threads = sum.threads.max(report.threads);
+        if report.bytes > 0 || latest.is_none() {
+            *latest = Some(strategy);
+        }
+    }
+
+    /// The reads so far, and the strategy of the latest that moved bytes.
+    pub fn get(&self) -> (Report, Option<Strategy>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// Worker count when the caller does not choose: one per core, at least 2, at most 8.

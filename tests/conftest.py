@@ -21,6 +21,7 @@ import safetensors
 import safetensors.torch as st_torch
 
 import safeload
+from safeload import _device, _staging
 
 # tests/support/slowfs.py (the compiled slow/faulty FUSE filesystem) is imported as ``slowfs``.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
@@ -202,3 +203,62 @@ def mixed_tensors(seed: int = 0, big_rows: int = 70) -> dict:
     tensors["scalar_f64"] = make_tensor("F64", (), seed=seed + 8)
     tensors["empty_f32"] = make_tensor("F32", (0, 4), seed=seed + 9)
     return tensors
+
+
+# -- the CUDA stand-in ---------------------------------------------------------------------------
+
+
+class FakeCudaSink(_staging.CpuSink):
+    """A CPU sink that stands in for CudaSink (deferred copies, "pinned")."""
+
+    made = []
+
+    def __init__(self, device):
+        super().__init__(defer=True, pinned=True)
+        self.device = device
+        FakeCudaSink.made.append(self)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """cuda:N devices accepted, each staged load copying into a FakeCudaSink (a 2 x 4 KiB ring);
+    returns the sinks made."""
+    real = _device.torch_device
+
+    def torch_device(name):
+        if name.startswith("cuda"):
+            return torch.device(name)
+        return real(name)
+
+    monkeypatch.setattr(_device, "torch_device", torch_device)
+    monkeypatch.setattr(_staging, "make_sink", FakeCudaSink)
+    monkeypatch.setenv(_staging.RING_ENV, "2x4KiB")
+    FakeCudaSink.made = []
+    return FakeCudaSink.made
+
+
+# -- process groups ----------------------------------------------------------------------------
+
+
+def run_ranks(worker: Any, world: int, tmp: str, args: tuple, join_seconds: float) -> list:
+    """Starts ``worker(rank, *args)`` on ``world`` spawned processes (gloo on loopback) and returns
+    what each wrote to ``tmp/result-{rank}.json``. A join past ``join_seconds`` kills them and
+    fails the test (a hang)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + join_seconds
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{world} ranks did not finish within {join_seconds}s (hang)")
+    out = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"result-{r}.json")) as f:
+            out.append(json.load(f))
+    return out

@@ -21,6 +21,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from safeload import distributed as sd_dist  # noqa: E402
+from conftest import run_ranks  # noqa: E402
 
 JOIN_SECONDS = 120
 GROUP_TIMEOUT = timedelta(seconds=30)
@@ -186,22 +187,7 @@ def _worker(rank: int, world: int, tmp: str, ckpt: Dict[str, Any]) -> None:
 
 
 def _run(world: int, tmp: str, ckpt: Dict[str, Any]) -> List[Dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.start_processes(_worker, args=(world, tmp, ckpt), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_SECONDS
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{world} ranks did not finish within {JOIN_SECONDS}s (hang)")
-    out = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"result-{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return run_ranks(_worker, world, tmp, (world, tmp, ckpt), JOIN_SECONDS)
 
 
 @pytest.fixture(scope="module")

@@ -329,33 +329,6 @@ def test_cuda_unavailable_fails_before_reading(write_st, monkeypatch):
 # -- integration: safe_open / load_checkpoint on a (pretend) CUDA device ----------------------------
 
 
-class FakeCudaSink(_staging.CpuSink):
-    """A CPU sink that stands in for CudaSink (deferred copies, "pinned")."""
-
-    made = []
-
-    def __init__(self, device):
-        super().__init__(defer=True, pinned=True)
-        self.device = device
-        FakeCudaSink.made.append(self)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    real = _device.torch_device
-
-    def torch_device(name):
-        if name.startswith("cuda"):
-            return torch.device(name)
-        return real(name)
-
-    monkeypatch.setattr(_device, "torch_device", torch_device)
-    monkeypatch.setattr(_staging, "make_sink", FakeCudaSink)
-    monkeypatch.setenv(_staging.RING_ENV, "2x4KiB")
-    FakeCudaSink.made = []
-    return FakeCudaSink.made
-
-
 def test_get_tensors_on_cuda_uses_staging(write_st, fake_cuda):
     tensors = {**mixed_tensors(5), "large": make_tensor("BF16", (100, 90), 9)}
     path = write_st(tensors)

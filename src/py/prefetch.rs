@@ -14,6 +14,7 @@ use super::args::TensorTuple;
 use super::bytes::Bytes;
 use super::errors::detached;
 use super::provided;
+use crate::engine::Tally;
 use crate::error::Error;
 use crate::prefetch::{self, Rows};
 use crate::readahead::{Mode, ReadAhead};
@@ -59,6 +60,8 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
 pub struct Prefetch {
     /// Keeps the file open: a loader may outlive its handle.
     source: Arc<Source>,
+    /// The checkpoint's: every read of the loader counts in its handle's stats.
+    tally: Arc<Tally>,
     ahead: ReadAhead,
     /// Reads of items the read-ahead has not reached.
     strategy: Strategy,
@@ -75,7 +78,7 @@ impl Prefetch {
     /// A loader of `plan` (every tensor when None) of `source`, reading with `strategy`
     /// (`provided`: into destinations `take`'s `allocate` makes), at most `budget` bytes ahead.
     pub(super) fn start(
-        source: Arc<Source>,
+        (source, tally): (Arc<Source>, Arc<Tally>),
         plan: Option<Vec<(String, Rows)>>,
         strategy: Strategy,
         provided: bool,
@@ -94,9 +97,10 @@ impl Prefetch {
         } else {
             Mode::for_strategy(strategy)
         };
-        let ahead = ReadAhead::eager(source.clone(), items, mode, opts, budget);
+        let ahead = ReadAhead::eager(source.clone(), tally.clone(), items, mode, opts, budget);
         Ok(Prefetch {
             source,
+            tally,
             ahead,
             strategy,
             opts,
@@ -126,6 +130,7 @@ impl Prefetch {
         })?;
         self.read_by_takes
             .fetch_add(report.bytes, Ordering::Relaxed);
+        self.tally.add(strategy, &report);
         Ok(Bytes::new(read.pop().expect("one item, one read").0))
     }
 }

@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::buffer::{Fresh, TensorBytes};
+use crate::engine::Tally;
 use crate::error::Result;
 use crate::header::TensorInfo;
 use crate::source::{self, ReadOptions, Source};
@@ -69,6 +70,15 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The strategy reads of this mode ask for.
+    fn strategy(self) -> Strategy {
+        match self {
+            Mode::Owned(strategy) => strategy,
+            Mode::PageCache => Strategy::Mmap,
+            Mode::Provided => Strategy::Pread,
+        }
+    }
+
     /// The read-ahead for a handle reading with `strategy`.
     pub fn for_strategy(strategy: Strategy) -> Mode {
         match strategy {
@@ -114,6 +124,8 @@ struct State {
 
 struct Shared {
     source: Arc<Source>,
+    /// Where every read counts (the checkpoint's: its handle's stats include them).
+    tally: Arc<Tally>,
     /// What is read ahead, in file order: the file's tensors, or a plan's (parts of) tensors.
     items: Vec<TensorInfo>,
     mode: Mode,
@@ -157,9 +169,23 @@ pub struct ReadAhead {
 impl ReadAhead {
     /// Read-ahead for `source` in `mode` with at most `budget` bytes of owned memory held
     /// (page cache: [`PAGE_CACHE_FACTOR`] times it). Starts nothing until the first request.
-    pub fn new(source: Arc<Source>, mode: Mode, opts: ReadOptions, budget: u64) -> ReadAhead {
+    pub fn new(
+        source: Arc<Source>,
+        tally: Arc<Tally>,
+        mode: Mode,
+        opts: ReadOptions,
+        budget: u64,
+    ) -> ReadAhead {
         let items = source.header.tensors.clone();
-        Self::build(source, items, mode, opts, budget, FIRST_WINDOW, false)
+        Self::build(
+            (source, tally),
+            items,
+            mode,
+            opts,
+            budget,
+            FIRST_WINDOW,
+            false,
+        )
     }
 
     /// Read-ahead of `items` (parts of `source`'s tensors: name, dtype and shape of what is
@@ -168,12 +194,13 @@ impl ReadAhead {
     /// other calls are indices into `items`.
     pub fn eager(
         source: Arc<Source>,
+        tally: Arc<Tally>,
         items: Vec<TensorInfo>,
         mode: Mode,
         opts: ReadOptions,
         budget: u64,
     ) -> ReadAhead {
-        let ahead = Self::build(source, items, mode, opts, budget, budget, true);
+        let ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
         if !ahead.shared.items.is_empty() {
             let mut state = ahead.shared.lock();
             ahead.spawn(&mut state);
@@ -182,7 +209,7 @@ impl ReadAhead {
     }
 
     fn build(
-        source: Arc<Source>,
+        (source, tally): (Arc<Source>, Arc<Tally>),
         items: Vec<TensorInfo>,
         mode: Mode,
         opts: ReadOptions,
@@ -222,6 +249,7 @@ impl ReadAhead {
         ReadAhead {
             shared: Arc::new(Shared {
                 source,
+                tally,
                 items,
                 first_window,
                 eager,
@@ -287,6 +315,7 @@ impl ReadAhead {
                     drop(state);
                     let info = &shared.items[index];
                     let (mut read, report) = shared.read_provided(&[info], vec![fresh], poll)?;
+                    shared.tally.add(Strategy::Pread, &report);
                     let mut state = shared.lock();
                     state.bytes_read += report.bytes;
                     state.seconds += report.seconds;
@@ -434,6 +463,7 @@ mod tests {
     pub(super) fn owned(source: &Arc<Source>, budget: u64) -> ReadAhead {
         ReadAhead::new(
             source.clone(),
+            Default::default(),
             Mode::Owned(Strategy::Pread),
             ReadOptions::default(),
             budget,
@@ -494,8 +524,10 @@ mod tests {
         let items = source.header.tensors.clone();
         // A window as large as the file: every request, backwards, waits for the walk (none is
         // read on demand, which would return None here).
+        let tally = Arc::new(Tally::default());
         let ahead = ReadAhead::eager(
             source.clone(),
+            tally.clone(),
             items.clone(),
             Mode::Owned(Strategy::Pread),
             ReadOptions::default(),
@@ -507,10 +539,16 @@ mod tests {
             assert_eq!(bytes.as_slice(), &tensors[i].1[..], "tensor {i}");
         }
         assert_eq!(ahead.totals().bytes_read, 24 * (256 << 10));
+        // Every read counted where the checkpoint's totals are (a handle's stats).
+        let (counted, strategy) = tally.get();
+        assert_eq!(counted.bytes, 24 * (256 << 10));
+        assert_eq!(strategy, Some(Strategy::Pread));
+        assert!(counted.threads >= 1);
         drop(ahead);
         // A window of two tensors: requests beyond it are the caller's, nothing waits forever.
         let small = ReadAhead::eager(
             source.clone(),
+            Default::default(),
             items,
             Mode::Owned(Strategy::Pread),
             ReadOptions::default(),
@@ -577,6 +615,7 @@ mod tests {
         let source = open(&path);
         let ahead = ReadAhead::new(
             source.clone(),
+            Default::default(),
             Mode::PageCache,
             ReadOptions::default(),
             1 << 20,

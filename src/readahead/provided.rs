@@ -137,6 +137,7 @@ mod tests {
         let budget = 4 << 20;
         let ahead = ReadAhead::new(
             source.clone(),
+            Default::default(),
             Mode::Provided,
             ReadOptions::default(),
             budget,
@@ -175,7 +176,13 @@ mod tests {
         assert!(ahead.take(3, true, &mut || false).unwrap().is_none());
         // A destination of the wrong size is refused, and the tensor goes back to its caller.
         let source2 = open(&path);
-        let fresh = ReadAhead::new(source2, Mode::Provided, ReadOptions::default(), budget);
+        let fresh = ReadAhead::new(
+            source2,
+            Default::default(),
+            Mode::Provided,
+            ReadOptions::default(),
+            budget,
+        );
         let wanted = fresh.wanted(5);
         let mut dests: Vec<Fresh> = wanted.iter().map(|&j| external(j, 512 << 10)).collect();
         dests[0] = external(5, 7);

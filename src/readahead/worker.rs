@@ -162,6 +162,7 @@ impl Shared {
             let mut state = self.lock();
             match read {
                 Ok((buffers, report)) => {
+                    self.tally.add(self.mode.strategy(), &report);
                     if self.mode != Mode::PageCache {
                         state.bytes_read += report.bytes;
                     }

@@ -96,7 +96,12 @@ impl Source {
     /// The strategy a backend request means for this file ("auto" looks at the filesystem and
     /// at how much of the data is in the page cache), with the page-cache residency measured for
     /// it (None when it was not measured or cannot be told), so a caller can reuse the one probe.
-    pub fn resolve_measured(&self, backend: Backend) -> (Strategy, Option<f64>) {
+    /// "auto" does not map when `opts` asks for the pages to be dropped after reading.
+    pub fn resolve_measured(
+        &self,
+        backend: Backend,
+        opts: &ReadOptions,
+    ) -> (Strategy, Option<f64>) {
         if self.backing.is_remote() {
             // Objects in a store are read with ranged GETs, whatever was asked for.
             return (Strategy::Pread, None);
@@ -122,7 +127,9 @@ impl Source {
                     cached,
                     self.header.data_len(),
                     strategy::direct_above(available),
-                    strategy::auto_may_map(),
+                    // Pages asked to be dropped after the read are read, not mapped (a map's
+                    // pages are the tensors' memory).
+                    strategy::auto_may_map() && !opts.drop_cache,
                     available,
                 );
                 (strategy, cached)
@@ -288,6 +295,28 @@ pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
 /// filesystem.
 pub fn threads(sources: &[&Source], opts: &ReadOptions) -> usize {
     settings(sources, opts).threads
+}
+
+/// Runs `plan` over `sources` with `strategy`: the one way a read asks the engine, so every read
+/// notes uncached reads refused (a file that could not be opened for them is read buffered) and
+/// honours `drop_cache` alike.
+fn execute(
+    sources: &[&Source],
+    plan: &crate::plan::Plan<'_>,
+    strategy: Strategy,
+    opts: &ReadOptions,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<engine::Report> {
+    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
+    let mut report = engine::execute(&inputs, plan, settings(sources, opts), poll)?;
+    report.direct_refused |=
+        strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
+    if opts.drop_cache {
+        (sources.iter())
+            .filter_map(|s| s.backing.file())
+            .for_each(strategy::drop_cached);
+    }
+    Ok(report)
 }
 
 fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {

@@ -2,14 +2,14 @@
 //! one read of the span around them), and a span into the caller's memory.
 
 use crate::buffer::{self, TensorBytes};
-use crate::engine::{self, Report};
+use crate::engine::Report;
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::plan::Plan;
 use crate::slice::SlicePlan;
 use crate::strategy::Strategy;
 
-use super::{ReadOptions, Source, chunk_bytes, settings};
+use super::{ReadOptions, Source, chunk_bytes, execute};
 
 /// Slices with runs at least this long are read straight into the output; shorter runs are
 /// gathered from one read of the span around them.
@@ -51,12 +51,11 @@ impl Source {
                 }
             }
         }
-        let input = self.input(strategy);
-        let refused = strategy == Strategy::Direct && input.direct.is_none();
-        let mut report = engine::execute(&[input], &in_place, settings(&[self], opts), poll)?;
-        report.direct_refused |= refused;
+        let gathered = self.gather_small(info, &mut small)?;
+        drop(small);
+        let mut report = execute(&[self], &in_place, strategy, opts, poll)?;
         drop(in_place);
-        report.bytes += self.gather_small(info, &mut small)?;
+        report.bytes += gathered;
         Ok((out.into_shared(), report))
     }
 
@@ -144,9 +143,5 @@ pub fn read_data_ranges(
         let name = name_at(offset).unwrap_or("<data>");
         plan.add(0, source.header.data_start() + offset, dest, name);
     }
-    let input = source.input(strategy);
-    let refused = strategy == Strategy::Direct && input.direct.is_none();
-    let mut report = engine::execute(&[input], &plan, settings(&[source], opts), poll)?;
-    report.direct_refused |= refused;
-    Ok(report)
+    execute(&[source], &plan, strategy, opts, poll)
 }

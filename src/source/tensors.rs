@@ -3,13 +3,13 @@
 
 use crate::buffer::{self, Fresh, TensorBytes};
 use crate::dtype::Dtype;
-use crate::engine::{self, Input, Report};
+use crate::engine::Report;
 use crate::error::{Error, Result};
 use crate::header::TensorInfo;
 use crate::plan::Plan;
-use crate::strategy::{self, Strategy};
+use crate::strategy::Strategy;
 
-use super::{ReadOptions, Source, chunk_bytes, settings};
+use super::{ReadOptions, Source, chunk_bytes, execute};
 
 /// One tensor to read and where it goes: `dest` holds exactly the tensor's elements as `dtype`
 /// (the file's dtype, or one [`crate::convert`] converts it to).
@@ -70,18 +70,7 @@ pub fn read_targets(
             plan.add_converting(t.source, at, t.dest, t.info.dtype, t.dtype, &t.info.name);
         }
     }
-    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
-    let mut report = engine::execute(&inputs, &plan, settings(sources, opts), poll)?;
-    // Uncached reads asked for, but a file could not be opened that way: it was read buffered.
-    report.direct_refused |=
-        strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
-    if opts.drop_cache {
-        sources
-            .iter()
-            .filter_map(|s| s.backing.file())
-            .for_each(strategy::drop_cached);
-    }
-    Ok(report)
+    execute(sources, &plan, strategy, opts, poll)
 }
 
 /// Reads tensors of one or more sources into new memory with one worker pool; `dtype` converts

@@ -24,8 +24,8 @@ impl Handle {
                 } else {
                     Mode::for_strategy(ckpt.strategy())
                 };
-                let source = ckpt.shards[self.shard].clone();
-                (budget > 0).then(|| ReadAhead::new(source, mode, ckpt.options(), budget))
+                let (source, tally) = (ckpt.shards[self.shard].clone(), ckpt.tally());
+                (budget > 0).then(|| ReadAhead::new(source, tally, mode, ckpt.options(), budget))
             })
             .as_ref()
     }
@@ -68,7 +68,8 @@ impl Handle {
             opts.threads = Some(t.max(1));
         }
         let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
-        py.detach(|| Prefetch::start(source, plan, strategy, provided, opts, budget))
+        let tally = ckpt.tally();
+        py.detach(|| Prefetch::start((source, tally), plan, strategy, provided, opts, budget))
             .map_err(PyErr::from)
     }
 }

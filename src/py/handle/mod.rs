@@ -82,20 +82,15 @@ impl Handle {
         }
     }
 
-    /// Totals of the checkpoint's reads, the read-ahead's added; `probe`: resolve the backend
-    /// when nothing has (not at close: `open()` + `keys()` probes nothing).
+    /// Totals of the checkpoint's reads (its read-aheads' and prefetch loaders' count there);
+    /// `probe`: resolve the backend when nothing has (not at close: `open()` + `keys()` probes
+    /// nothing).
     fn totals(&self, ckpt: &Checkpoint, probe: bool) -> ReadStats {
-        let mut t = if probe {
+        if probe {
             ckpt.totals()
         } else {
             ckpt.totals_unprobed()
-        };
-        if let Some(Some(a)) = self.ahead.get() {
-            let ahead = a.totals();
-            t.bytes += ahead.bytes_read;
-            t.seconds += ahead.seconds;
         }
-        t
     }
 }
 
