@@ -64,12 +64,12 @@ impl Checkpoint {
         opts: ReadOptions,
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
-        Self::open_with(
-            &crate::shards::shard_files(at, store)?,
-            backend,
-            opts,
-            store,
-        )
+        let files = if crate::remote::is_url(at) {
+            crate::remote::checkpoint_urls(at, store)?
+        } else {
+            crate::shards::resolve(&crate::shards::Local, at)?
+        };
+        Self::open_with(&files, backend, opts, store)
     }
 
     /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`.

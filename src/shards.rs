@@ -23,16 +23,8 @@ pub trait Place {
     fn parent(&self, at: &Path) -> PathBuf;
 }
 
-/// The shard files of the checkpoint at `at` (a path or a URL, with the store's
-/// `storage_options`), in a stable order; a directory that holds none is an error.
-pub fn shard_files(at: &Path, options: &crate::remote::Options) -> Result<Vec<PathBuf>> {
-    if crate::remote::is_url(at) {
-        return crate::remote::checkpoint_urls(at, options);
-    }
-    resolve(&Local, at)
-}
-
-/// The rule, for any [`Place`].
+/// The shard files of the checkpoint at `at` in `place`, in a stable order; a directory that
+/// holds none is an error.
 pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
     if place.is_dir(at)? {
         let names = place.names(at)?;

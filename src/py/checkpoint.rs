@@ -68,7 +68,7 @@ impl Checkpoint {
         let backend = BackendArg::or_default(backend)?;
         let opts = options(threads, chunk_bytes, drop_cache);
         let store = storage_options.unwrap_or_default().0;
-        let inner = py.detach(|| match &path_or_paths {
+        let inner = detached(py, |_| match &path_or_paths {
             CheckpointArg::At(at) => checkpoint::Checkpoint::open_at(at, backend, opts, &store),
             CheckpointArg::Files(paths) => {
                 checkpoint::Checkpoint::open_with(paths, backend, opts, &store)

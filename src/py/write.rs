@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
+use super::errors::detached;
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::serialize::{TensorIn, to_bytes, to_file};
@@ -128,7 +129,7 @@ pub fn serialize<'py>(
     let specs = collect(tensor_dict);
     let metadata = metadata_vec(metadata);
     let mut tensors = inputs(&specs)?;
-    let bytes = py.detach(|| to_bytes(&mut tensors, metadata.as_deref()))?;
+    let bytes = detached(py, |_| to_bytes(&mut tensors, metadata.as_deref()))?;
     Ok(PyBytes::new(py, &bytes))
 }
 
@@ -144,8 +145,9 @@ pub fn serialize_file(
     let specs = collect(tensor_dict);
     let metadata = metadata_vec(metadata);
     let mut tensors = inputs(&specs)?;
-    py.detach(|| to_file(&filename, &mut tensors, metadata.as_deref(), fsync))
-        .map_err(PyErr::from)
+    detached(py, |_| {
+        to_file(&filename, &mut tensors, metadata.as_deref(), fsync)
+    })
 }
 
 /// Parses a whole file held in memory: [(name, {"dtype", "shape", "data"})] in file order.

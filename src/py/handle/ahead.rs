@@ -69,7 +69,8 @@ impl Handle {
         }
         let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
         let tally = ckpt.tally();
-        py.detach(|| Prefetch::start((source, tally), plan, strategy, provided, opts, budget))
-            .map_err(PyErr::from)
+        detached(py, |_| {
+            Prefetch::start((source, tally), plan, strategy, provided, opts, budget)
+        })
     }
 }

@@ -18,6 +18,7 @@ use pyo3::types::PyDict;
 
 use super::args::{BackendArg, TensorTuple, options, parse_dtype};
 use super::bytes::Bytes;
+use super::errors::detached;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
 use super::stats::Stats;
@@ -114,7 +115,9 @@ impl Handle {
         let backend = BackendArg::or_default(backend)?;
         let store = storage_options.unwrap_or_default().0;
         let opts = options(threads, chunk_bytes, drop_cache);
-        let ckpt = py.detach(|| Checkpoint::open_with(&[path], backend, opts, &store))?;
+        let ckpt = detached(py, |_| {
+            Checkpoint::open_with(&[path], backend, opts, &store)
+        })?;
         Ok(Handle::of_shard(Arc::new(ckpt), 0, readahead))
     }
 
