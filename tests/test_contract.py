@@ -26,6 +26,7 @@ import safeload
 import safeload.numpy
 import safeload.torch
 from conftest import assert_tensor_equal, run_ranks
+from test_mps import fake_mps  # noqa: F401  (the MPS stand-in: a fixture)
 from safeload import SafetensorError, distributed
 from safeload._safeload import BACKENDS, _testing
 
@@ -182,6 +183,10 @@ ENTRIES: Dict[str, Dict[str, Any]] = {
                                                "storage_options"}, device=True,
                                         call=lambda c, kw, log: _safe_open_get_tensors(c["one"], kw, "cuda:0"),
                                         scope="one"),
+    "safe_open.get_tensors(mps)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype",
+                                              "storage_options"}, device="mps",
+                                       call=lambda c, kw, log: _safe_open_get_tensors(c["one"], kw, "mps"),
+                                       scope="one"),
     "safe_open.get_tensor": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
                                  call=lambda c, kw, log: _safe_open_loop(c["one"], kw), scope="one"),
     "safe_open.get_slice": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
@@ -209,6 +214,12 @@ ENTRIES: Dict[str, Dict[str, Any]] = {
                                             safeload.torch.load_checkpoint(c["dir"], device="cuda:0",
                                                                            return_stats=True, **kw)),
                                         scope="all"),
+    "torch.load_checkpoint(mps)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress",
+                                              "storage_options"}, device="mps",
+                                       call=lambda c, kw, log: (lambda r: (r[0], Report.of(r[1])))(
+                                           safeload.torch.load_checkpoint(c["dir"], device="mps",
+                                                                          return_stats=True, **kw)),
+                                       scope="all"),
     "torch.iter_checkpoint": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "progress",
                                          "storage_options"},
                                   call=lambda c, kw, log: _logged(
@@ -250,12 +261,21 @@ def _check_values(name: str, got: Dict[str, Any], ckpt: Dict[str, Any], dtype: A
 ALL = list(ENTRIES)
 
 
+@pytest.fixture
+def stand_in(request: Any, fake_cuda: Any) -> None:
+    """The device stand-ins: CUDA for every entry (it serves cuda:N only), MPS for the MPS ones
+    (it replaces the package's Handle and Checkpoint with recording proxies)."""
+    name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
+    if name is not None and ENTRIES[name].get("device") == "mps":
+        request.getfixturevalue("fake_mps")
+
+
 # -- every backend, on every entry point ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ALL)
-def test_every_backend_reads_the_files_bytes_and_reports_what_read(name, backend, ckpt, caplog, fake_cuda):
+def test_every_backend_reads_the_files_bytes_and_reports_what_read(name, backend, ckpt, caplog, stand_in):
     got, report = _call(name, ckpt, caplog, backend=backend)
     _check_values(name, got, ckpt)
     assert report.backend in ("mmap", "pread", "direct"), report.backend
@@ -268,7 +288,7 @@ def test_every_backend_reads_the_files_bytes_and_reports_what_read(name, backend
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_a_bad_backend_is_refused_before_any_read(name, ckpt, caplog, fake_cuda):
+def test_a_bad_backend_is_refused_before_any_read(name, ckpt, caplog, stand_in):
     with pytest.raises(SafetensorError, match='backend "fast" is invalid'):
         _call(name, ckpt, caplog, backend="fast")
     with pytest.raises(TypeError, match="not a str"):
@@ -279,7 +299,7 @@ def test_a_bad_backend_is_refused_before_any_read(name, ckpt, caplog, fake_cuda)
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if {"threads", "chunk_bytes"} <= ENTRIES[n]["takes"]])
-def test_threads_and_chunk_bytes_reach_the_reader(name, ckpt, caplog, fake_cuda):
+def test_threads_and_chunk_bytes_reach_the_reader(name, ckpt, caplog, stand_in):
     got, report = _call(name, ckpt, caplog, backend="pread", threads=2, chunk_bytes=CHUNK)
     _check_values(name, got, ckpt)
     assert report.backend == "pread"
@@ -294,7 +314,7 @@ def test_threads_and_chunk_bytes_reach_the_reader(name, ckpt, caplog, fake_cuda)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", [n for n in ALL if "dtype" in ENTRIES[n]["takes"]])
-def test_dtype_converts_the_floating_point_tensors_on_every_path(name, dtype, ckpt, caplog, fake_cuda):
+def test_dtype_converts_the_floating_point_tensors_on_every_path(name, dtype, ckpt, caplog, stand_in):
     for backend in BACKENDS:
         got, _ = _call(name, ckpt, caplog, backend=backend, dtype=dtype)
         _check_values(name, got, ckpt, dtype)
@@ -306,7 +326,7 @@ def test_dtype_converts_the_floating_point_tensors_on_every_path(name, dtype, ck
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "progress" in ENTRIES[n]["takes"]])
-def test_progress_reports_every_byte(name, ckpt, caplog, fake_cuda):
+def test_progress_reports_every_byte(name, ckpt, caplog, stand_in):
     for backend in BACKENDS:
         calls: List[Any] = []
         got, _ = _call(name, ckpt, caplog, backend=backend, progress=lambda done, total, seen=calls: seen.append(
@@ -353,7 +373,7 @@ def _cached(path: str) -> float:
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "drop_cache" in ENTRIES[n]["takes"]])
-def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, fake_cuda):
+def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, stand_in):
     files = ckpt["files"] if ENTRIES[name]["scope"] == "all" else [ckpt["one"]]
     if not all(_drops(f) for f in files):
         pytest.skip("this filesystem keeps pages the kernel was asked to drop")
@@ -374,7 +394,7 @@ def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, f
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_an_argument_an_entry_point_does_not_take_is_refused(name, ckpt, caplog, fake_cuda):
+def test_an_argument_an_entry_point_does_not_take_is_refused(name, ckpt, caplog, stand_in):
     values = {"backend": "pread", "threads": 2, "chunk_bytes": CHUNK, "drop_cache": True, "dtype": torch.float16,
               "progress": lambda d, t: None, "storage_options": {}}
     for arg in sorted(READER_ARGS - ENTRIES[name]["takes"]):
