@@ -281,8 +281,9 @@ def test_every_backend_reads_the_files_bytes_and_reports_what_read(name, backend
     assert report.backend in ("mmap", "pread", "direct"), report.backend
     if backend == "pread":
         assert report.backend == "pread"
-    if backend == "mmap" and ENTRIES[name].get("copies"):
-        assert report.backend == "pread"  # a copy into the caller's memory reads: strategy::for_purpose
+    if backend == "mmap" and (ENTRIES[name].get("copies") or ENTRIES[name].get("device")):
+        # Copies into the caller's tensors or a device's staging memory read: strategy::for_purpose.
+        assert report.backend == "pread"
     if report.backend in ("pread", "direct") and report.bytes_read is not None and not ENTRIES[name].get("device"):
         assert report.bytes_read > 0
 
