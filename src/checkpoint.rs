@@ -79,14 +79,7 @@ impl Checkpoint {
         opts: ReadOptions,
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
-        if backend == Backend::Mmap && opts.drop_cache {
-            return Err(Error::Argument(
-                "drop_cache=True drops a file's pages from the page cache after reading them, and \
-                 backend \"mmap\" reads none (its tensors are the mapped pages): use backend=\
-                 \"auto\" (which then reads), \"pread\" or \"direct\""
-                    .into(),
-            ));
-        }
+        let backend = backend.check(opts.drop_cache)?;
         let shards = paths
             .iter()
             .map(|p| Source::open_with(p, store).map(Arc::new))

@@ -56,6 +56,21 @@ impl Backend {
             ))
         })
     }
+
+    /// Refuses a backend that cannot do what the read options ask: a map reads nothing, so it
+    /// has no pages of its own to drop after reading (`drop_cache`). "auto" with `drop_cache`
+    /// reads instead ([`crate::source::Source::resolve_measured`]).
+    pub fn check(self, drop_cache: bool) -> crate::error::Result<Backend> {
+        if self == Backend::Mmap && drop_cache {
+            return Err(crate::error::Error::Argument(
+                "drop_cache=True drops a file's pages from the page cache after reading them, and \
+                 backend \"mmap\" reads none (its tensors are the mapped pages): use backend=\
+                 \"auto\" (which then reads), \"pread\" or \"direct\""
+                    .into(),
+            ));
+        }
+        Ok(self)
+    }
 }
 
 /// A concrete way of reading a file.
@@ -227,6 +242,16 @@ pub fn drop_cached(file: &File) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_map_has_no_pages_of_its_own_to_drop() {
+        let err = Backend::Mmap.check(true).unwrap_err().to_string();
+        assert!(err.contains("backend \"mmap\" reads none"), "{err}");
+        for backend in [Backend::Auto, Backend::Pread, Backend::Direct] {
+            assert_eq!(backend.check(true).unwrap(), backend);
+        }
+        assert_eq!(Backend::Mmap.check(false).unwrap(), Backend::Mmap);
+    }
 
     #[test]
     fn every_purpose_of_every_resolution() {

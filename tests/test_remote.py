@@ -270,11 +270,34 @@ def test_object_cut_short_is_an_error(http, root):
     _write(path, {"a": ("F32", (256, 1024)), "z": ("F32", (256, 1024))})
     url = f"{http.url}/cut/m.safetensors"
     with safeload.safe_open(url, "pt") as f:
-        os.truncate(path, os.path.getsize(path) - 4096)  # under the open handle
-        with pytest.raises(safeload.SafetensorError, match="tensor z"):
+        os.truncate(path, os.path.getsize(path) - 4096)  # under the open handle: a new version
+        with pytest.raises(safeload.SafetensorError, match="changed while it was read"):
             f.get_tensors()
     with pytest.raises(safeload.SafetensorError, match="header"):  # the header promises more
         safeload.safe_open(url, "pt")
+
+
+def test_an_object_replaced_under_an_open_handle_fails_the_read(http, root, monkeypatch):
+    """One version per load: every GET asks for the ETag the open saw (If-Match), so a checkpoint
+    re-uploaded while it is read fails with a clear error instead of mixing the two uploads.
+    (HTTP only: `rclone serve s3` answers a GET whose If-Match names another ETag with the object,
+    where S3, GCS and Azure answer 412; the same request goes to them.)"""
+    monkeypatch.setenv("SAFELOAD_READAHEAD_BYTES", "0")  # z is read after the replace, not before
+    folder = os.path.join(root, "models", "replaced")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "m.safetensors")
+    spec = {"a": ("F32", (256, 1024)), "z": ("F32", (256, 1024))}
+    first = _write(path, spec, seed=1)
+    url = f"{http.url}/models/replaced/m.safetensors"
+    with safeload.safe_open(url, "pt", backend="pread") as f:
+        _assert_same({"a": f.get_tensor("a")}, {"a": first["a"]})
+        second = _write(path + ".new", spec, seed=2)  # the same size and header, other bytes
+        os.replace(path + ".new", path)
+        with pytest.raises(safeload.SafetensorError, match="changed while it was read") as e:
+            f.get_tensor("z")
+        assert "m.safetensors" in str(e.value)
+    with safeload.safe_open(url, "pt") as f:  # a new open reads the new one
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, second)
 
 
 def test_403_is_permission_error(http, mixed):

@@ -26,6 +26,35 @@ pub struct Object {
     location: ObjectPath,
     url: String,
     size: u64,
+    /// The version opened (its strong ETag, and the store's version id where it has one): every
+    /// later GET asks for it, so a load reads one version or fails.
+    version: Version,
+}
+
+/// Which version of an object a read asks for.
+#[derive(Debug, Clone, Default)]
+struct Version {
+    etag: Option<String>,
+    id: Option<String>,
+}
+
+impl Version {
+    fn of(meta: &object_store::ObjectMeta) -> Version {
+        Version {
+            // A weak ETag (W/"...") never matches If-Match, which compares strongly.
+            etag: (meta.e_tag.clone()).filter(|tag| !tag.starts_with("W/")),
+            id: meta.version.clone(),
+        }
+    }
+
+    fn ask(&self, range: Range<u64>) -> GetOptions {
+        GetOptions {
+            range: Some(GetRange::Bounded(range)),
+            if_match: self.etag.clone(),
+            version: self.id.clone(),
+            ..GetOptions::default()
+        }
+    }
 }
 
 impl std::fmt::Debug for Object {
@@ -48,16 +77,17 @@ impl Object {
         let result = store::runtime()
             .block_on(async {
                 let got = store.get_opts(&location, get).await?;
-                let size = got.meta.size;
-                Ok::<_, object_store::Error>((size, got.bytes().await?))
+                let (size, version) = (got.meta.size, Version::of(&got.meta));
+                Ok::<_, object_store::Error>((size, version, got.bytes().await?))
             })
             .map_err(|e| to_io(url, e))?;
-        let (size, prefix) = result;
+        let (size, version, prefix) = result;
         let object = Object {
             store,
             location,
             url: url.to_string(),
             size,
+            version,
         };
         Ok((object, prefix.to_vec()))
     }
@@ -111,19 +141,16 @@ impl Object {
         stop: &AtomicBool,
     ) -> io::Result<()> {
         let want = range.end - range.start;
-        let get = GetOptions {
-            range: Some(GetRange::Bounded(range)),
-            ..GetOptions::default()
-        };
+        let get = self.version.ask(range);
         store::runtime().block_on(async {
             let got = self.store.get_opts(&self.location, get).await;
-            let mut body = got.map_err(|e| to_io(&self.url, e))?.into_stream();
+            let mut body = got.map_err(|e| self.error(e))?.into_stream();
             let mut received = 0u64;
             while let Some(frame) = next_within(&mut body, &self.url).await? {
                 if stop.load(Ordering::Relaxed) {
                     return Err(io::Error::new(io::ErrorKind::Interrupted, "cancelled"));
                 }
-                let bytes = frame.map_err(|e| to_io(&self.url, e))?;
+                let bytes = frame.map_err(|e| self.error(e))?;
                 if received + bytes.len() as u64 > want {
                     return Err(range_error(
                         &self.url,
@@ -146,6 +173,22 @@ impl Object {
             }
             Ok(())
         })
+    }
+
+    /// The store's error for a read of this object: a version that is gone is its own error.
+    fn error(&self, e: object_store::Error) -> io::Error {
+        match e {
+            object_store::Error::Precondition { .. } => io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: the object changed while it was read (opened as ETag {}): reopen it to \
+                     read the new version",
+                    self.url,
+                    self.version.etag.as_deref().unwrap_or("?")
+                ),
+            ),
+            e => to_io(&self.url, e),
+        }
     }
 
     /// The whole object, for small ones (index.json).

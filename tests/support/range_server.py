@@ -12,6 +12,9 @@ deterministic:
 - ``status``: answer every request with this status (403, 404 ...);
 - ``ignore_range``: answer ranged GETs with 200 and the whole file.
 
+Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
+answered 412, as object stores answer it.
+
 ``requests`` records (method, path, requested range or None, status, body bytes sent) for each,
 logged as the response starts (so a client holding every byte finds its request logged).
 
@@ -119,6 +122,10 @@ class _Handler(BaseHTTPRequestHandler):
         size = os.path.getsize(path)
         stat = os.stat(path)
         etag = '"' + hashlib.md5(f"{stat.st_size}-{stat.st_mtime_ns}".encode()).hexdigest() + '"'
+        asked = self.headers.get("If-Match")
+        if asked is not None and asked != "*" and etag not in [t.strip() for t in asked.split(",")]:
+            self._reply_empty(412, b"precondition failed")  # the file changed since that ETag
+            return self._record(method, wanted, 412, 0)
         if wanted is not None and not ignore_range:
             begin, end = wanted[0], min(wanted[1], size - 1)
             if begin >= size:
