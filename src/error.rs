@@ -122,9 +122,21 @@ impl Error {
     }
 }
 
+/// Every message names URLs without their secrets (user info, signature and token query values:
+/// [`crate::remote::redact`]), whichever part of it carries them: a path, a store's own error.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        let message = Unredacted(self).to_string();
+        f.write_str(&crate::remote::redact(&message))
+    }
+}
+
+/// The message as the parts say it.
+struct Unredacted<'a>(&'a Error);
+
+impl fmt::Display for Unredacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
             Error::Open { path, source } if source.kind() == io::ErrorKind::NotFound => {
                 write!(f, "No such file or directory: {}", path.display())
             }

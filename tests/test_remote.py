@@ -6,6 +6,7 @@ timing; results are compared byte for byte with safetensors 0.8 reading the same
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Dict
 
@@ -298,6 +299,44 @@ def test_an_object_replaced_under_an_open_handle_fails_the_read(http, root, monk
         assert "m.safetensors" in str(e.value)
     with safeload.safe_open(url, "pt") as f:  # a new open reads the new one
         _assert_same({k: f.get_tensor(k) for k in f.keys()}, second)
+
+
+SECRETS = ("hunter2", "T0KEN-SECRET", "S1GNATURE", "SAS-SIG")
+
+
+def _with_secrets(url: str) -> str:
+    """``url`` with a password, a token, a presigned S3 signature and an Azure SAS sig planted."""
+    scheme, rest = url.split("://", 1)
+    return (f"{scheme}://user:{SECRETS[0]}@{rest}?token={SECRETS[1]}&X-Amz-Signature={SECRETS[2]}"
+            f"&X-Amz-Expires=60&sig={SECRETS[3]}")
+
+
+def _no_secret(text: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text, f"{secret!r} leaked: {text}"
+
+
+def test_secrets_in_urls_never_reach_messages_or_logs(http, mixed, caplog):
+    """Errors (a missing object, refused access, a server error) and DEBUG log lines name the URL
+    without its user info or its signature and token query values."""
+    missing = _with_secrets(f"{http.url}/models/missing.safetensors")
+    for status, error in [(None, FileNotFoundError), (403, PermissionError), (500, safeload.SafetensorError)]:
+        http.reset()
+        http.status = status
+        with pytest.raises(error) as e:
+            safeload.torch.load_file(missing if status is None else _with_secrets(f"{http.url}/models/mixed.safetensors"))
+        _no_secret(str(e.value))
+        assert "127.0.0.1" in str(e.value)  # still says which server
+    http.reset()
+    with caplog.at_level(logging.DEBUG, logger="safeload"):
+        with safeload.safe_open(_with_secrets(f"{http.url}/models/mixed.safetensors"), "pt") as f:
+            f.get_tensors()
+            _no_secret(str(f._handle.path))
+        safeload.torch.load_checkpoint(_with_secrets(f"{http.url}/models/mixed.safetensors"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "safeload"]
+    assert any("mixed.safetensors" in line for line in lines)
+    for line in lines:
+        _no_secret(line)
 
 
 def test_403_is_permission_error(http, mixed):

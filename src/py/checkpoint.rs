@@ -85,10 +85,16 @@ impl Checkpoint {
         Ok(self.get()?.strategy().name())
     }
 
-    /// The shard files (paths or URLs) in order, as the checkpoint named them.
+    /// The shard files (paths or URLs) in order, as the checkpoint named them (URLs without
+    /// their secrets: for messages and logs).
     #[getter]
     fn paths(&self) -> PyResult<Vec<PathBuf>> {
-        Ok(self.get()?.shards.iter().map(|s| s.path.clone()).collect())
+        Ok(self
+            .get()?
+            .shards
+            .iter()
+            .map(|s| super::shown(&s.path))
+            .collect())
     }
 
     /// Every tensor's header entry, in (shard, offset) order.

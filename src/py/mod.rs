@@ -55,6 +55,16 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(info)
 }
 
+/// A path as messages and logs show it: a URL without its secrets ([`crate::remote::redact`]).
+fn shown(path: &std::path::Path) -> std::path::PathBuf {
+    match path.to_str() {
+        Some(text) if crate::remote::is_url(path) => {
+            crate::remote::redact(text).into_owned().into()
+        }
+        _ => path.to_path_buf(),
+    }
+}
+
 /// The one dtype table: format code -> (torch dtype name, numpy dtype name, whether that name
 /// is ml_dtypes' rather than numpy's, bits per element); None where the framework lacks it.
 fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {

@@ -59,7 +59,12 @@ impl Version {
 
 impl std::fmt::Debug for Object {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Object({}, {} bytes)", self.url, self.size)
+        write!(
+            f,
+            "Object({}, {} bytes)",
+            super::redact(&self.url),
+            self.size
+        )
     }
 }
 

@@ -280,9 +280,10 @@ impl Handle {
         Ok(self.source()?.header.data_start())
     }
 
+    /// The file's path or URL, as messages and logs show it (a URL without its secrets).
     #[getter]
     fn path(&self) -> PyResult<PathBuf> {
-        Ok(self.source()?.path.clone())
+        Ok(super::shown(&self.source()?.path))
     }
 
     /// Bytes of one tensor.
