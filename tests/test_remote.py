@@ -339,6 +339,46 @@ def test_secrets_in_urls_never_reach_messages_or_logs(http, mixed, caplog):
         _no_secret(line)
 
 
+def test_a_stalled_server_fails_the_open_and_the_read_within_its_read_timeout(http, big):
+    """A body that stops sending (after its headers) is an error after `read_timeout` without a
+    byte: in the header read at open and in data reads; never a hang."""
+    url = f"{http.url}/models/big.safetensors"
+    options = {"read_timeout": "500ms"}
+    http.stall_after = 16
+    with pytest.raises(safeload.SafetensorError, match="no bytes for 0.5 s") as e:
+        safeload.safe_open(url, "pt", storage_options=options)
+    assert "big.safetensors" in str(e.value)
+    http.reset()
+    with safeload.safe_open(url, "pt", backend="pread", storage_options=options) as f:
+        http.stall_after = 1000
+        with pytest.raises(safeload.SafetensorError, match="no bytes for 0.5 s"):
+            f.get_tensor("w")
+    http.reset()
+    with pytest.raises(safeload.SafetensorError, match="read_timeout"):  # a bad value is refused
+        safeload.safe_open(url, "pt", storage_options={"read_timeout": "soon"})
+
+
+def test_bodies_are_bounded_whatever_the_server_sends(http, big, root):
+    """The header probe takes at most the bytes it asked for, an index at most 64 MiB, an error
+    body a few KiB (and the message a few hundred characters of it)."""
+    url = f"{http.url}/models/big.safetensors"
+    http.overlong = 8 << 20  # 8 MiB more than any range asked
+    with pytest.raises(safeload.SafetensorError, match="more bytes than the range asked for"):
+        safeload.safe_open(url, "pt")
+    http.reset()
+    http.status, http.error_body = 500, 32 << 20
+    with pytest.raises(safeload.SafetensorError) as e:
+        safeload.safe_open(url, "pt")
+    assert "500" in str(e.value) and len(str(e.value)) < 1000, len(str(e.value))
+    http.reset()
+    folder = os.path.join(root, "models", "hugeindex")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write('{"weight_map": {}, "pad": "' + "x" * (65 << 20) + '"}')
+    with pytest.raises(safeload.SafetensorError, match="larger than 64 MiB"):
+        safeload.torch.load_checkpoint(f"{http.url}/models/hugeindex/model.safetensors.index.json")
+
+
 def test_403_is_permission_error(http, mixed):
     http.status = 403
     url = f"{http.url}/models/mixed.safetensors"

@@ -6,41 +6,84 @@
 //! `object_store` refuses any ranged `200`. Such a response is taken as the `206` it means, and
 //! `object_store` still checks that its `Content-Range` is the range asked for. A `200` without
 //! `Content-Range` (a server that ignores `Range` and sends the whole object) stays an error.
+//!
+//! Every wait is bounded, by the client options `object_store` names (storage_options or the
+//! environment): `connect_timeout` (default 10 s), `timeout` for the response headers (30 s), and
+//! `read_timeout` for each piece of any body (30 s without a byte is an error). An error response's
+//! body (which `object_store` reads into its message) is cut to [`ERROR_BODY_BYTES`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use http::StatusCode;
 use http::header::{CONTENT_RANGE, RANGE};
-use http_body_util::BodyExt;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector as Tcp;
 use hyper_util::rt::TokioExecutor;
-use object_store::ClientOptions;
 use object_store::client::{
     HttpClient, HttpConnector, HttpError, HttpErrorKind, HttpRequest, HttpRequestBody,
     HttpResponse, HttpResponseBody, HttpService,
 };
+use object_store::{ClientConfigKey, ClientOptions};
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 /// A connection that does not open within this is a failed request (retried).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// A response whose headers do not come within this is a failed request (retried). Bodies that
-/// stall are caught per frame by the reader (`object.rs`).
+/// A response whose headers do not come within this is a failed request (retried).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A body that sends nothing for this long has stalled (an error; reads retry from the first
+/// byte not received).
+const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// What is kept of an error response's body.
+pub const ERROR_BODY_BYTES: usize = 4 << 10;
 
 #[derive(Debug, Default)]
 pub struct Connector;
 
+/// The waits a client bounds.
+#[derive(Debug, Clone, Copy)]
+struct Waits {
+    response: Duration,
+    stall: Duration,
+}
+
+/// A duration client option, in the forms `object_store` takes ("30s", "1m 30s", "500ms").
+fn duration(
+    options: &ClientOptions,
+    key: ClientConfigKey,
+    default: Duration,
+) -> Result<Duration, String> {
+    match options.get_config_value(&key) {
+        None => Ok(default),
+        Some(text) => humantime::parse_duration(text.trim()).map_err(|e| {
+            format!(
+                "client option {}: {text:?} is not a duration ({e})",
+                key.as_ref()
+            )
+        }),
+    }
+}
+
 impl HttpConnector for Connector {
-    fn connect(&self, _: &ClientOptions) -> object_store::Result<HttpClient> {
+    fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
         let generic = |e: String| object_store::Error::Generic {
             store: "HTTP client",
             source: e.into(),
         };
+        let waits = Waits {
+            response: duration(options, ClientConfigKey::Timeout, RESPONSE_TIMEOUT)
+                .map_err(generic)?,
+            stall: duration(options, ClientConfigKey::ReadTimeout, STALL_TIMEOUT)
+                .map_err(generic)?,
+        };
+        let connect_timeout =
+            duration(options, ClientConfigKey::ConnectTimeout, CONNECT_TIMEOUT).map_err(generic)?;
         let mut roots = rustls::RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
         };
@@ -58,7 +101,7 @@ impl HttpConnector for Connector {
         let mut tcp = Tcp::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        tcp.set_connect_timeout(Some(connect_timeout));
         let https = HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -67,7 +110,7 @@ impl HttpConnector for Connector {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
-        Ok(HttpClient::new(Hyper(client)))
+        Ok(HttpClient::new(Hyper(client, waits)))
     }
 }
 
@@ -83,13 +126,14 @@ fn extra_roots() -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 #[derive(Debug)]
-struct Hyper(Client<HttpsConnector<Tcp>, HttpRequestBody>);
+struct Hyper(Client<HttpsConnector<Tcp>, HttpRequestBody>, Waits);
 
 #[async_trait]
 impl HttpService for Hyper {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         let ranged = req.headers().contains_key(RANGE);
-        let response = tokio::time::timeout(RESPONSE_TIMEOUT, self.0.request(req))
+        let Waits { response, stall } = self.1;
+        let response = tokio::time::timeout(response, self.0.request(req))
             .await
             .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
             .map_err(|e| {
@@ -104,6 +148,60 @@ impl HttpService for Hyper {
             parts.status = StatusCode::PARTIAL_CONTENT;
         }
         let body = body.map_err(|e| HttpError::new(HttpErrorKind::Interrupted, e));
+        let keep = match parts.status.is_success() {
+            true => usize::MAX,
+            false => ERROR_BODY_BYTES,
+        };
+        let body = StreamBody::new(bounded(body, stall, keep));
         Ok(HttpResponse::from_parts(parts, HttpResponseBody::new(body)))
     }
 }
+
+/// `body`'s frames, each within `stall` of the last (else a timeout error, the end), and at most
+/// `keep` data bytes of it (the rest is not read: the connection is dropped with the body).
+fn bounded<B>(
+    body: B,
+    stall: Duration,
+    keep: usize,
+) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, HttpError>> + Send + 'static
+where
+    B: http_body::Body<Data = Bytes, Error = HttpError> + Send + Unpin + 'static,
+{
+    futures_util::stream::unfold(Some((body, keep)), move |state| async move {
+        let (mut body, left) = state?;
+        if left == 0 {
+            return None;
+        }
+        match tokio::time::timeout(stall, body.frame()).await {
+            Err(_) => {
+                let message = format!("no bytes for {} s", stall.as_secs_f64());
+                Some((
+                    Err(HttpError::new(HttpErrorKind::Timeout, TimedOut(message))),
+                    None,
+                ))
+            }
+            Ok(None) => None,
+            Ok(Some(Err(e))) => Some((Err(e), None)),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(mut data) => {
+                    data.truncate(left);
+                    let left = left - data.len();
+                    Some((Ok(Frame::data(data)), Some((body, left))))
+                }
+                Err(frame) => Some((Ok(frame), Some((body, left)))),
+            },
+        }
+    })
+}
+
+/// A body that stalled.
+#[derive(Debug)]
+struct TimedOut(String);
+
+impl std::fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TimedOut {}

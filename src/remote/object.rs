@@ -15,8 +15,8 @@ use super::{Options, store};
 
 /// Bytes asked for at open: the 8-byte length and, for most files, the whole JSON header.
 const PROBE_BYTES: u64 = 1 << 16;
-/// A response body that sends nothing for this long has stalled.
-const STALL: std::time::Duration = std::time::Duration::from_secs(30);
+/// The most an index (`*.index.json`) may hold.
+pub const INDEX_BYTES: usize = 64 << 20;
 /// Attempts at one range: `object_store` retries requests and resumes bodies itself (where the
 /// server sends an ETag); one more request from the first missing byte covers the rest.
 const ATTEMPTS: usize = 2;
@@ -79,13 +79,18 @@ impl Object {
             range: Some(GetRange::Bounded(0..PROBE_BYTES)),
             ..GetOptions::default()
         };
-        let result = store::runtime()
-            .block_on(async {
-                let got = store.get_opts(&location, get).await?;
-                let (size, version) = (got.meta.size, Version::of(&got.meta));
-                Ok::<_, object_store::Error>((size, version, got.bytes().await?))
+        let result = store::runtime().block_on(async {
+            let got = store
+                .get_opts(&location, get)
+                .await
+                .map_err(|e| to_io(url, e))?;
+            let (size, version) = (got.meta.size, Version::of(&got.meta));
+            let prefix = collect(got.into_stream(), url, PROBE_BYTES as usize, || {
+                range_error(url, "more bytes than the range asked for")
             })
-            .map_err(|e| to_io(url, e))?;
+            .await?;
+            Ok::<_, io::Error>((size, version, prefix))
+        })?;
         let (size, version, prefix) = result;
         let object = Object {
             store,
@@ -94,7 +99,7 @@ impl Object {
             size,
             version,
         };
-        Ok((object, prefix.to_vec()))
+        Ok((object, prefix))
     }
 
     pub fn size(&self) -> u64 {
@@ -151,7 +156,7 @@ impl Object {
             let got = self.store.get_opts(&self.location, get).await;
             let mut body = got.map_err(|e| self.error(e))?.into_stream();
             let mut received = 0u64;
-            while let Some(frame) = next_within(&mut body, &self.url).await? {
+            while let Some(frame) = body.next().await {
                 if stop.load(Ordering::Relaxed) {
                     return Err(io::Error::new(io::ErrorKind::Interrupted, "cancelled"));
                 }
@@ -196,34 +201,45 @@ impl Object {
         }
     }
 
-    /// The whole object, for small ones (index.json).
+    /// The whole of a small object (an index.json): at most [`INDEX_BYTES`].
     pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
         let (store, location) = store::locate(url, options)?;
-        let bytes = store::runtime()
-            .block_on(async {
-                store
-                    .get_opts(&location, GetOptions::default())
-                    .await?
-                    .bytes()
-                    .await
+        store::runtime().block_on(async {
+            let got = (store.get_opts(&location, GetOptions::default()).await)
+                .map_err(|e| to_io(url, e))?;
+            collect(got.into_stream(), url, INDEX_BYTES, || {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{url}: larger than {} MiB, not a safetensors index",
+                        INDEX_BYTES >> 20
+                    ),
+                )
             })
-            .map_err(|e| to_io(url, e))?;
-        Ok(bytes.to_vec())
+            .await
+        })
     }
 }
 
-/// The next piece of a body; a body that sends nothing for [`STALL`] is an error (retried from
-/// the first byte not received).
-async fn next_within<S: futures_util::Stream + Unpin>(
-    body: &mut S,
+/// A body's bytes, at most `limit` of them: more is `too_long()`'s error, not a larger buffer.
+async fn collect<S>(
+    mut body: S,
     url: &str,
-) -> io::Result<Option<S::Item>> {
-    tokio::time::timeout(STALL, body.next()).await.map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("{url}: no bytes for {} s", STALL.as_secs()),
-        )
-    })
+    limit: usize,
+    too_long: impl Fn() -> io::Error,
+) -> io::Result<Vec<u8>>
+where
+    S: futures_util::Stream<Item = object_store::Result<bytes::Bytes>> + Unpin,
+{
+    let mut out = Vec::new();
+    while let Some(frame) = body.next().await {
+        let frame = frame.map_err(|e| to_io(url, e))?;
+        if out.len() + frame.len() > limit {
+            return Err(too_long());
+        }
+        out.extend_from_slice(&frame);
+    }
+    Ok(out)
 }
 
 /// Copies `bytes` into the destinations, as if they were one buffer, from position `at`.
@@ -269,7 +285,8 @@ fn range_error(url: &str, what: &str) -> io::Error {
 /// The store's error as an I/O error of the matching kind, naming the URL and what the store said.
 pub fn to_io(url: &str, e: object_store::Error) -> io::Error {
     use object_store::Error as E;
-    let message = e.to_string();
+    // Redacted before it is cut: a URL cut short could hide its secrets from the redaction.
+    let message = shortened(super::redact(&e.to_string()).into_owned());
     let kind = match e {
         E::NotFound { .. } => io::ErrorKind::NotFound,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
@@ -284,6 +301,16 @@ pub fn to_io(url: &str, e: object_store::Error) -> io::Error {
         _ => io::ErrorKind::Other,
     };
     io::Error::new(kind, format!("{url}: {message}"))
+}
+
+/// What a message keeps of a store's error (which quotes the server's error body).
+const MESSAGE_CHARS: usize = 400;
+
+fn shortened(message: String) -> String {
+    match message.char_indices().nth(MESSAGE_CHARS) {
+        Some((at, _)) => format!("{} ... ({} more bytes)", &message[..at], message.len() - at),
+        None => message,
+    }
 }
 
 #[cfg(test)]

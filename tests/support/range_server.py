@@ -10,7 +10,12 @@ deterministic:
   connection is closed) or answered 500 (``fail_mode="status"``);
 - ``truncate``: every GET body is cut off after half (a connection that always drops);
 - ``status``: answer every request with this status (403, 404 ...);
-- ``ignore_range``: answer ranged GETs with 200 and the whole file.
+- ``ignore_range``: answer ranged GETs with 200 and the whole file;
+- ``stall_after``: every GET sends its headers and this many body bytes, then nothing until the
+  server is reset or stopped (a stalled server);
+- ``overlong``: every ranged GET answers 206 for the range asked, then sends this many bytes
+  more than the range;
+- ``error_body``: with ``status``, the error response's body has this many bytes.
 
 Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
 answered 412, as object stores answer it.
@@ -52,6 +57,10 @@ class RangeServer(ThreadingHTTPServer):
         self.truncate = False
         self.status: Optional[int] = None
         self.ignore_range = False
+        self.stall_after: Optional[int] = None
+        self.overlong = 0
+        self.error_body = 0
+        self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
         self.gets = 0
         self.lock = threading.Lock()
@@ -67,6 +76,7 @@ class RangeServer(ThreadingHTTPServer):
         return self
 
     def stop(self) -> None:
+        self.released.set()
         self.shutdown()
         self.server_close()
 
@@ -75,7 +85,10 @@ class RangeServer(ThreadingHTTPServer):
         with self.lock:
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
+            self.stall_after, self.overlong, self.error_body = None, 0, 0
             self.requests, self.gets = [], 0
+            self.released.set()
+            self.released = threading.Event()
 
     def data_bytes_served(self, path: str) -> int:
         return sum(sent for method, p, _, _, sent in self.requests if method == "GET" and p == path)
@@ -107,6 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
                 srv.fail_nth == n or (srv.fail_every is not None and n % srv.fail_every == 0))
             latency, status, truncate = srv.latency, srv.status, srv.truncate
             ignore_range, fail_mode = srv.ignore_range, srv.fail_mode
+            stall_after, overlong, error_body, released = srv.stall_after, srv.overlong, srv.error_body, srv.released
         if latency:
             threading.Event().wait(latency)
         method = "HEAD" if head else "GET"
@@ -114,7 +128,8 @@ class _Handler(BaseHTTPRequestHandler):
         wanted = _parse_range(self.headers.get("Range"))
         if status is not None or (fail and fail_mode == "status"):
             code = status if status is not None else 500
-            self._reply_empty(code, f"injected {code}".encode())
+            body = f"injected {code}".encode() + b"x" * error_body
+            self._reply_empty(code, body)
             return self._record(method, wanted, code, 0)
         if not os.path.isfile(path):
             self._reply_empty(404, b"not found")
@@ -135,10 +150,11 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             begin, end, code, headers = 0, size - 1, 200, {}
         length = end - begin + 1
+        extra = overlong if code == 206 else 0
         self.send_response(code)
         for k, v in headers.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(length))
+        self.send_header("Content-Length", str(length + extra))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
         self.send_header("Content-Type", "application/octet-stream")
@@ -146,9 +162,19 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             return self._record(method, wanted, code, 0)
         send = length // 2 if (truncate or fail) else length
+        if stall_after is not None:
+            send = min(send, stall_after)
         # Logged before the body goes out: a client that has every byte may look at the log at once.
         self._record(method, wanted, code, send)
         self._send_file(path, begin, send)
+        if stall_after is not None:  # headers and a few bytes, then nothing
+            self.wfile.flush()
+            released.wait(120)
+            self.close_connection = True
+            return
+        if extra:
+            self.wfile.write(b"\0" * extra)
+            return
         if send < length:  # cut the body off: the client sees a connection closed early
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
