@@ -15,6 +15,10 @@ pub trait Place {
     fn is_dir(&self, at: &Path) -> Result<bool>;
     /// The names directly in the directory `at`, sorted.
     fn names(&self, at: &Path) -> Result<Vec<String>>;
+    /// Whether the file `at` is an index (`*.json`).
+    fn is_index(&self, at: &Path) -> bool {
+        at.to_string_lossy().ends_with(".json")
+    }
     /// The whole of the index file `at`.
     fn read(&self, at: &Path) -> Result<Vec<u8>>;
     /// `name` in the directory `dir`.
@@ -43,7 +47,7 @@ pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
         }
         return Ok(files);
     }
-    if at.to_string_lossy().ends_with(".json") {
+    if place.is_index(at) {
         let json = place.read(at)?;
         let base = place.parent(at);
         let names = index_shards(&at.display().to_string(), &json)?;

@@ -379,6 +379,23 @@ def test_bodies_are_bounded_whatever_the_server_sends(http, big, root):
         safeload.torch.load_checkpoint(f"{http.url}/models/hugeindex/model.safetensors.index.json")
 
 
+def test_query_strings_are_kept_on_every_request(http, mixed):
+    """A presigned S3 URL, an Azure SAS URL or a ?token= URL loads: its query goes with every
+    request (the header read and each ranged GET), and is redacted in messages."""
+    path, ref = mixed
+    query = "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Expires=60&X-Amz-Signature=f00d&token=t0k"
+    http.require_query = query
+    url = f"{http.url}/models/mixed.safetensors?{query}"
+    _assert_same(safeload.torch.load_file(url), ref)
+    with safeload.safe_open(url, "pt", backend="pread") as f:
+        _assert_same({k: f.get_tensor(k) for k in f.keys()}, ref)
+    gets = [p for m, p, *_ in http.requests if m == "GET"]
+    assert gets and all(p.endswith("?" + query) for p in gets)
+    with pytest.raises(PermissionError) as e:  # the server checks it: without it, 403
+        safeload.torch.load_file(f"{http.url}/models/mixed.safetensors?token=wrong")
+    assert "wrong" not in str(e.value) and "403" in str(e.value)
+
+
 def test_403_is_permission_error(http, mixed):
     http.status = 403
     url = f"{http.url}/models/mixed.safetensors"

@@ -43,8 +43,13 @@ const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// What is kept of an error response's body.
 pub const ERROR_BODY_BYTES: usize = 4 << 10;
 
+/// The client of one store; `query`: a query string every request of it carries (an `http(s)`
+/// URL's own: a presigned S3 URL's signature, an Azure SAS, a `?token=`), which `object_store`'s
+/// HTTP store would drop.
 #[derive(Debug, Default)]
-pub struct Connector;
+pub struct Connector {
+    pub query: Option<String>,
+}
 
 /// The waits a client bounds.
 #[derive(Debug, Clone, Copy)]
@@ -110,7 +115,7 @@ impl HttpConnector for Connector {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
-        Ok(HttpClient::new(Hyper(client, waits)))
+        Ok(HttpClient::new(Hyper(client, waits, self.query.clone())))
     }
 }
 
@@ -126,11 +131,25 @@ fn extra_roots() -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 #[derive(Debug)]
-struct Hyper(Client<HttpsConnector<Tcp>, HttpRequestBody>, Waits);
+struct Hyper(
+    Client<HttpsConnector<Tcp>, HttpRequestBody>,
+    Waits,
+    Option<String>,
+);
 
 #[async_trait]
 impl HttpService for Hyper {
-    async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+    async fn call(&self, mut req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        if let Some(query) = &self.2 {
+            let uri = req.uri().to_string();
+            let joined = match uri.contains('?') {
+                true => format!("{uri}&{query}"),
+                false => format!("{uri}?{query}"),
+            };
+            *req.uri_mut() = joined
+                .parse()
+                .map_err(|e| HttpError::new(HttpErrorKind::Request, e))?;
+        }
         let ranged = req.headers().contains_key(RANGE);
         let Waits { response, stall } = self.1;
         let response = tokio::time::timeout(response, self.0.request(req))

@@ -29,7 +29,7 @@ impl Place for Store<'_> {
     fn is_dir(&self, at: &Path) -> Result<bool> {
         let url = at.to_string_lossy();
         let http = url.starts_with("http://") || url.starts_with("https://");
-        Ok(!(http || url.ends_with(".safetensors") || url.ends_with(".json")))
+        Ok(!(http || url.ends_with(".safetensors") || self.is_index(at)))
     }
 
     fn names(&self, at: &Path) -> Result<Vec<String>> {
@@ -41,6 +41,10 @@ impl Place for Store<'_> {
             .map_err(|e| Error::remote(at, to_io(&url, e)))
     }
 
+    fn is_index(&self, at: &Path) -> bool {
+        path_part(at).ends_with(".json")
+    }
+
     fn read(&self, at: &Path) -> Result<Vec<u8>> {
         Object::fetch_all(&at.to_string_lossy(), self.options).map_err(|e| Error::remote(at, e))
     }
@@ -50,9 +54,17 @@ impl Place for Store<'_> {
     }
 
     fn parent(&self, at: &Path) -> PathBuf {
-        let url = at.to_string_lossy();
+        let url = path_part(at);
         PathBuf::from(url.rsplit_once('/').map_or(&*url, |(base, _)| base))
     }
+}
+
+/// A URL without its query string (which names no file: a signature, a token).
+fn path_part(at: &Path) -> String {
+    let url = at.to_string_lossy();
+    url.split_once('?')
+        .map_or(&*url, |(path, _)| path)
+        .to_string()
 }
 
 /// Names directly under `prefix`, sorted.
@@ -88,5 +100,9 @@ mod tests {
         assert!(store.is_dir(dir).unwrap());
         assert!(!store.is_dir(index).unwrap());
         assert!(!store.is_dir(Path::new("https://h/models")).unwrap());
+        // A query names no file: an index with a token is an index, its shards beside it.
+        let signed = Path::new("https://h/m/model.safetensors.index.json?token=t");
+        assert!(store.is_index(signed));
+        assert_eq!(store.parent(signed), PathBuf::from("https://h/m"));
     }
 }

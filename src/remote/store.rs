@@ -36,13 +36,25 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
 /// scheme, bucket (or host) and options, so shards and later loads reuse their connections.
 pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
     let parsed = Url::parse(url).map_err(|e| invalid(format!("{url}: not a URL ({e})")))?;
-    let (scheme, path) =
-        ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?;
+    let (scheme, path) = match parsed.scheme() {
+        // An http(s) URL is read as it is written, whatever its host looks like: signing an
+        // `https://*.amazonaws.com` URL with the environment's credentials would send them where
+        // nobody asked, and would break the presigned URL it usually is (use s3:// to sign).
+        "http" | "https" => (
+            ObjectStoreScheme::Http,
+            ObjectPath::from_url_path(parsed.path()).map_err(|e| invalid(format!("{url}: {e}")))?,
+        ),
+        _ => ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(format!("{url}: {e}")))?,
+    };
     let base = &parsed[..url::Position::BeforePath];
+    let query = match scheme {
+        ObjectStoreScheme::Http => parsed.query().map(str::to_string),
+        _ => None,
+    };
     let env = Environment::read(&scheme);
     // A store is kept for its URL, options and configuration from the environment: a process
     // that changes AWS_PROFILE or a key after a failed open gets a store built with the change.
-    let mut key = base.to_string();
+    let mut key = format!("{base}?{}", query.as_deref().unwrap_or_default());
     let profile = env.profile.as_deref().unwrap_or_default();
     for (k, v) in options.iter().chain(&env.vars).chain(profile) {
         key.push_str(&format!("\n{k}={v}"));
@@ -52,7 +64,8 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((store.clone(), path));
     }
-    let store = build(scheme, base, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
+    let store =
+        build(scheme, base, query, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
     stores
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -104,17 +117,26 @@ type Built = Result<Arc<dyn ObjectStore>, String>;
 
 /// A store from its builder: the URL, the HTTP client, retries, then the options.
 macro_rules! store {
-    ($builder:expr, $base:expr, $options:expr) => {{
+    ($builder:expr, $base:expr, $options:expr) => {
+        store!($builder, $base, $options, None)
+    };
+    ($builder:expr, $base:expr, $options:expr, $query:expr) => {{
         let b = ($builder)
             .with_url($base)
-            .with_http_connector(Connector)
+            .with_http_connector(Connector { query: $query })
             .with_retry(retry());
         let b = apply(b, $options, |b, k, v| Ok(b.with_config(k.parse()?, v)))?;
         Ok(Arc::new(b.build().map_err(|e| e.to_string())?))
     }};
 }
 
-fn build(scheme: ObjectStoreScheme, base: &str, options: &Options, env: Environment) -> Built {
+fn build(
+    scheme: ObjectStoreScheme,
+    base: &str,
+    query: Option<String>,
+    options: &Options,
+    env: Environment,
+) -> Built {
     match scheme {
         ObjectStoreScheme::AmazonS3 => s3(base, options, env),
         ObjectStoreScheme::GoogleCloudStorage => {
@@ -123,7 +145,7 @@ fn build(scheme: ObjectStoreScheme, base: &str, options: &Options, env: Environm
         ObjectStoreScheme::MicrosoftAzure => {
             store!(MicrosoftAzureBuilder::from_env(), base, options)
         }
-        ObjectStoreScheme::Http => store!(HttpBuilder::new(), base, options),
+        ObjectStoreScheme::Http => store!(HttpBuilder::new(), base, options, query),
         other => Err(format!("{other:?} URLs are not read by safeload")),
     }
 }
@@ -220,4 +242,21 @@ fn apply<B>(
             .map_err(|e| format!("storage option {key:?} is not known here ({e})"))?;
     }
     Ok(builder)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn https_urls_are_read_as_written_whatever_the_host() {
+        // A presigned S3 URL: plain HTTPS (its own signature), never signed with the
+        // environment's credentials.
+        let url = "https://b.s3.us-east-1.amazonaws.com/m/x.safetensors?X-Amz-Signature=f00d";
+        let (store, path) = locate(url, &[]).unwrap();
+        assert!(format!("{store}").contains("HttpStore"), "{store}");
+        assert_eq!(path.as_ref(), "m/x.safetensors");
+        let (store, _) = locate("s3://b/m/x.safetensors", &[]).unwrap();
+        assert!(format!("{store}").contains("AmazonS3"), "{store}");
+    }
 }

@@ -15,7 +15,9 @@ deterministic:
   server is reset or stopped (a stalled server);
 - ``overlong``: every ranged GET answers 206 for the range asked, then sends this many bytes
   more than the range;
-- ``error_body``: with ``status``, the error response's body has this many bytes.
+- ``error_body``: with ``status``, the error response's body has this many bytes;
+- ``require_query``: a request whose query string is not exactly this is answered 403 (a
+  presigned URL's signature, a token).
 
 Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
 answered 412, as object stores answer it.
@@ -60,6 +62,7 @@ class RangeServer(ThreadingHTTPServer):
         self.stall_after: Optional[int] = None
         self.overlong = 0
         self.error_body = 0
+        self.require_query: Optional[str] = None
         self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
         self.gets = 0
@@ -85,7 +88,7 @@ class RangeServer(ThreadingHTTPServer):
         with self.lock:
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
-            self.stall_after, self.overlong, self.error_body = None, 0, 0
+            self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
             self.requests, self.gets = [], 0
             self.released.set()
             self.released = threading.Event()
@@ -121,6 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
             latency, status, truncate = srv.latency, srv.status, srv.truncate
             ignore_range, fail_mode = srv.ignore_range, srv.fail_mode
             stall_after, overlong, error_body, released = srv.stall_after, srv.overlong, srv.error_body, srv.released
+            require_query = srv.require_query
         if latency:
             threading.Event().wait(latency)
         method = "HEAD" if head else "GET"
@@ -131,6 +135,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = f"injected {code}".encode() + b"x" * error_body
             self._reply_empty(code, body)
             return self._record(method, wanted, code, 0)
+        if require_query is not None and self.path.partition("?")[2] != require_query:
+            self._reply_empty(403, b"signature does not match")
+            return self._record(method, wanted, 403, 0)
         if not os.path.isfile(path):
             self._reply_empty(404, b"not found")
             return self._record(method, wanted, 404, 0)
