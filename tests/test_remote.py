@@ -396,6 +396,30 @@ def test_query_strings_are_kept_on_every_request(http, mixed):
     assert "wrong" not in str(e.value) and "403" in str(e.value)
 
 
+def test_redirects_are_followed_as_http_clients_follow_them(http, mixed, root):
+    """A 302 to another host (the Hub's resolve URL answers with its storage's signed URL) is
+    followed for the header and for every range, with its query; a loop, or a redirect to
+    another scheme, is refused with a message saying so."""
+    path, ref = mixed
+    storage = RangeServer(root).start()  # "the CDN": another host name for the same files
+    try:
+        storage.require_query = "X-Amz-Signature=f00d"
+        http.redirect_to = storage.url.replace("127.0.0.1", "localhost")
+        url = f"{http.url}/models/mixed.safetensors?X-Amz-Signature=f00d"
+        _assert_same(safeload.torch.load_file(url), ref)
+        with safeload.safe_open(url, "pt", backend="pread") as f:
+            _assert_same({k: f.get_slice(k)[...] for k in f.keys()}, ref)
+        assert [r for r in storage.requests if r[0] == "GET" and r[3] == 206]  # ranges came from there
+        http.redirect_to = "self"
+        with pytest.raises(safeload.SafetensorError, match="more than 10 redirects"):
+            safeload.torch.load_file(f"{http.url}/models/mixed.safetensors")
+        http.redirect_to = "file:///etc"
+        with pytest.raises(safeload.SafetensorError, match="redirected to a file: URL"):
+            safeload.torch.load_file(f"{http.url}/models/mixed.safetensors")
+    finally:
+        storage.stop()
+
+
 def test_403_is_permission_error(http, mixed):
     http.status = 403
     url = f"{http.url}/models/mixed.safetensors"

@@ -42,6 +42,8 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(30);
 const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// What is kept of an error response's body.
 pub const ERROR_BODY_BYTES: usize = 4 << 10;
+/// Redirects followed for one request, as HTTP clients follow them.
+const MAX_REDIRECTS: usize = 10;
 
 /// The client of one store; `query`: a query string every request of it carries (an `http(s)`
 /// URL's own: a presigned S3 URL's signature, an Azure SAS, a `?token=`), which `object_store`'s
@@ -51,11 +53,12 @@ pub struct Connector {
     pub query: Option<String>,
 }
 
-/// The waits a client bounds.
+/// The waits a client bounds, and whether it may follow a redirect from https to http.
 #[derive(Debug, Clone, Copy)]
 struct Waits {
     response: Duration,
     stall: Duration,
+    allow_http: bool,
 }
 
 /// A duration client option, in the forms `object_store` takes ("30s", "1m 30s", "500ms").
@@ -86,6 +89,8 @@ impl HttpConnector for Connector {
                 .map_err(generic)?,
             stall: duration(options, ClientConfigKey::ReadTimeout, STALL_TIMEOUT)
                 .map_err(generic)?,
+            allow_http: (options.get_config_value(&ClientConfigKey::AllowHttp))
+                .is_some_and(|v| v.eq_ignore_ascii_case("true")),
         };
         let connect_timeout =
             duration(options, ClientConfigKey::ConnectTimeout, CONNECT_TIMEOUT).map_err(generic)?;
@@ -151,17 +156,8 @@ impl HttpService for Hyper {
                 .map_err(|e| HttpError::new(HttpErrorKind::Request, e))?;
         }
         let ranged = req.headers().contains_key(RANGE);
-        let Waits { response, stall } = self.1;
-        let response = tokio::time::timeout(response, self.0.request(req))
-            .await
-            .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
-            .map_err(|e| {
-                let kind = match e.is_connect() {
-                    true => HttpErrorKind::Connect,
-                    false => HttpErrorKind::Request,
-                };
-                HttpError::new(kind, e)
-            })?;
+        let stall = self.1.stall;
+        let response = self.follow(req).await?;
         let (mut parts, body) = response.into_parts();
         if ranged && parts.status == StatusCode::OK && parts.headers.contains_key(CONTENT_RANGE) {
             parts.status = StatusCode::PARTIAL_CONTENT;
@@ -173,6 +169,90 @@ impl HttpService for Hyper {
         };
         let body = StreamBody::new(bounded(body, stall, keep));
         Ok(HttpResponse::from_parts(parts, HttpResponseBody::new(body)))
+    }
+}
+
+impl Hyper {
+    /// Sends `req`, and follows the redirects of a GET or HEAD as HTTP clients do: at most
+    /// [`MAX_REDIRECTS`], to http(s) only, never from https to http unless `allow_http`, and
+    /// without the credentials (`Authorization`, cookies) when the host changes. Range and
+    /// If-Match go on, so the data comes from where the redirects end.
+    async fn follow(
+        &self,
+        req: HttpRequest,
+    ) -> Result<http::Response<hyper::body::Incoming>, HttpError> {
+        let refuse = |message: String| HttpError::new(HttpErrorKind::Unknown, Message(message));
+        let follows = matches!(*req.method(), http::Method::GET | http::Method::HEAD);
+        let method = req.method().clone();
+        let (mut headers, mut uri) = (req.headers().clone(), req.uri().clone());
+        let mut next = Some(req);
+        for hop in 0..=MAX_REDIRECTS {
+            let request = next.take().expect("set for every hop");
+            let response = tokio::time::timeout(self.1.response, self.0.request(request))
+                .await
+                .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
+                .map_err(|e| {
+                    let kind = match e.is_connect() {
+                        true => HttpErrorKind::Connect,
+                        false => HttpErrorKind::Request,
+                    };
+                    HttpError::new(kind, e)
+                })?;
+            let location = response.headers().get(http::header::LOCATION);
+            let (true, true, Some(location)) =
+                (follows, response.status().is_redirection(), location)
+            else {
+                return Ok(response);
+            };
+            let from = super::redact(&uri.to_string()).into_owned();
+            if hop == MAX_REDIRECTS {
+                return Err(refuse(format!(
+                    "{from}: more than {MAX_REDIRECTS} redirects"
+                )));
+            }
+            let bad = |e: String| refuse(format!("{from}: redirected to a bad location ({e})"));
+            let target = (url::Url::parse(&uri.to_string()))
+                .and_then(|base| base.join(location.to_str().unwrap_or_default()))
+                .map_err(|e| bad(e.to_string()))?;
+            let shown = super::redact(target.as_str()).into_owned();
+            let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
+            match target.scheme() {
+                "http" if downgrade && !self.1.allow_http => {
+                    return Err(refuse(format!(
+                        "{from}: redirected from https to http ({shown}): refused unless \
+                         storage_options has allow_http=true"
+                    )));
+                }
+                "http" | "https" => {}
+                other => {
+                    return Err(refuse(format!(
+                        "{from}: redirected to a {other}: URL ({shown}), which is not followed"
+                    )));
+                }
+            }
+            let port = |scheme: Option<&str>| if scheme == Some("https") { 443 } else { 80 };
+            let same_host = target.host_str() == uri.host()
+                && target.port_or_known_default()
+                    == Some(uri.port_u16().unwrap_or(port(uri.scheme_str())));
+            if !same_host {
+                headers.remove(http::header::AUTHORIZATION);
+                headers.remove(http::header::PROXY_AUTHORIZATION);
+                headers.remove(http::header::COOKIE);
+            }
+            headers.remove(http::header::HOST);
+            uri = target
+                .as_str()
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
+            let mut request = http::Request::builder()
+                .method(method.clone())
+                .uri(uri.clone())
+                .body(HttpRequestBody::empty())
+                .map_err(|e| bad(e.to_string()))?;
+            *request.headers_mut() = headers.clone();
+            next = Some(request);
+        }
+        unreachable!("the last hop returns")
     }
 }
 
@@ -195,7 +275,7 @@ where
             Err(_) => {
                 let message = format!("no bytes for {} s", stall.as_secs_f64());
                 Some((
-                    Err(HttpError::new(HttpErrorKind::Timeout, TimedOut(message))),
+                    Err(HttpError::new(HttpErrorKind::Timeout, Message(message))),
                     None,
                 ))
             }
@@ -213,14 +293,14 @@ where
     })
 }
 
-/// A body that stalled.
+/// What went wrong, said by the connector (a stalled body, a redirect refused).
 #[derive(Debug)]
-struct TimedOut(String);
+struct Message(String);
 
-impl std::fmt::Display for TimedOut {
+impl std::fmt::Display for Message {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
 }
 
-impl std::error::Error for TimedOut {}
+impl std::error::Error for Message {}

@@ -17,7 +17,9 @@ deterministic:
   more than the range;
 - ``error_body``: with ``status``, the error response's body has this many bytes;
 - ``require_query``: a request whose query string is not exactly this is answered 403 (a
-  presigned URL's signature, a token).
+  presigned URL's signature, a token);
+- ``redirect_to``: every request is answered 302 to this prefix + its path and query (``"self"``:
+  to this server's own URL, a loop), as the Hub's ``resolve`` answers with its storage's URL.
 
 Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
 answered 412, as object stores answer it.
@@ -63,6 +65,7 @@ class RangeServer(ThreadingHTTPServer):
         self.overlong = 0
         self.error_body = 0
         self.require_query: Optional[str] = None
+        self.redirect_to: Optional[str] = None
         self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
         self.gets = 0
@@ -89,6 +92,7 @@ class RangeServer(ThreadingHTTPServer):
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
             self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
+            self.redirect_to = None
             self.requests, self.gets = [], 0
             self.released.set()
             self.released = threading.Event()
@@ -124,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
             latency, status, truncate = srv.latency, srv.status, srv.truncate
             ignore_range, fail_mode = srv.ignore_range, srv.fail_mode
             stall_after, overlong, error_body, released = srv.stall_after, srv.overlong, srv.error_body, srv.released
-            require_query = srv.require_query
+            require_query, redirect_to = srv.require_query, srv.redirect_to
         if latency:
             threading.Event().wait(latency)
         method = "HEAD" if head else "GET"
@@ -135,6 +139,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = f"injected {code}".encode() + b"x" * error_body
             self._reply_empty(code, body)
             return self._record(method, wanted, code, 0)
+        if redirect_to is not None:
+            target = (srv.url if redirect_to == "self" else redirect_to) + self.path
+            self._reply_empty(302, b"", {"Location": target})
+            return self._record(method, wanted, 302, 0)
         if require_query is not None and self.path.partition("?")[2] != require_query:
             self._reply_empty(403, b"signature does not match")
             return self._record(method, wanted, 403, 0)
