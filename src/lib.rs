@@ -23,6 +23,7 @@ mod platform;
 mod pool;
 mod prefetch;
 mod readahead;
+mod redact;
 mod remote;
 mod serialize;
 mod shards;

@@ -420,6 +420,33 @@ def test_redirects_are_followed_as_http_clients_follow_them(http, mixed, root):
         storage.stop()
 
 
+def test_hf_urls_read_from_the_hubs_resolve_endpoint_with_the_token(http, root, monkeypatch):
+    """hf://ORG/REPO[@REVISION]/FILE (and a repository: its index, else its model.safetensors)
+    read through HF_ENDPOINT's /resolve/, which answers with a redirect to its storage (another
+    host): the token goes to the Hub and not to the storage; the data comes from the storage."""
+    repo = os.path.join(root, "acme", "tiny")
+    main, pinned = os.path.join(repo, "resolve", "main"), os.path.join(repo, "resolve", "v1")
+    os.makedirs(main, exist_ok=True)
+    os.makedirs(pinned, exist_ok=True)
+    ref = _write(os.path.join(main, "model.safetensors"), MIXED, seed=5)
+    old = _write(os.path.join(pinned, "model.safetensors"), MIXED, seed=6)
+    storage = RangeServer(root).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", http.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_s3cr3t")
+        http.redirect_to = storage.url.replace("127.0.0.1", "localhost")
+        _assert_same(safeload.torch.load_file("hf://acme/tiny/model.safetensors"), ref)
+        _assert_same(safeload.torch.load_file("hf://acme/tiny@v1/model.safetensors"), old)
+        _assert_same(safeload.torch.load_checkpoint("hf://acme/tiny"), ref)  # the repository
+        assert http.authorizations and all(a == "Bearer hf_s3cr3t" for a in http.authorizations)
+        assert storage.authorizations and not any(storage.authorizations)  # never forwarded
+        assert any(r[3] == 206 for r in storage.requests)
+        with pytest.raises(FileNotFoundError, match="hf://acme/tiny/missing.safetensors"):
+            safeload.torch.load_file("hf://acme/tiny/missing.safetensors")
+    finally:
+        storage.stop()
+
+
 def test_403_is_permission_error(http, mixed):
     http.status = 403
     url = f"{http.url}/models/mixed.safetensors"

@@ -55,11 +55,11 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(info)
 }
 
-/// A path as messages and logs show it: a URL without its secrets ([`crate::remote::redact`]).
+/// A path as messages and logs show it: a URL without its secrets ([`crate::redact::redact`]).
 fn shown(path: &std::path::Path) -> std::path::PathBuf {
     match path.to_str() {
         Some(text) if crate::remote::is_url(path) => {
-            crate::remote::redact(text).into_owned().into()
+            crate::redact::redact(text).into_owned().into()
         }
         _ => path.to_path_buf(),
     }

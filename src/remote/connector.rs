@@ -51,6 +51,9 @@ const MAX_REDIRECTS: usize = 10;
 #[derive(Debug, Default)]
 pub struct Connector {
     pub query: Option<String>,
+    /// An `Authorization` value every request of this client starts with (the Hub's token), sent
+    /// to the host the URL names and to no other (see `Hyper::follow`).
+    pub authorization: Option<String>,
 }
 
 /// The waits a client bounds, and whether it may follow a redirect from https to http.
@@ -120,7 +123,16 @@ impl HttpConnector for Connector {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
-        Ok(HttpClient::new(Hyper(client, waits, self.query.clone())))
+        let authorization = (self.authorization.as_deref())
+            .map(http::HeaderValue::from_str)
+            .transpose()
+            .map_err(|e| generic(format!("Authorization: {e}")))?
+            .map(|mut value| {
+                value.set_sensitive(true);
+                value
+            });
+        let client = Hyper(client, waits, self.query.clone(), authorization);
+        Ok(HttpClient::new(client))
     }
 }
 
@@ -140,6 +152,7 @@ struct Hyper(
     Client<HttpsConnector<Tcp>, HttpRequestBody>,
     Waits,
     Option<String>,
+    Option<http::HeaderValue>,
 );
 
 #[async_trait]
@@ -154,6 +167,10 @@ impl HttpService for Hyper {
             *req.uri_mut() = joined
                 .parse()
                 .map_err(|e| HttpError::new(HttpErrorKind::Request, e))?;
+        }
+        if let Some(value) = &self.3 {
+            req.headers_mut()
+                .insert(http::header::AUTHORIZATION, value.clone());
         }
         let ranged = req.headers().contains_key(RANGE);
         let stall = self.1.stall;
@@ -204,7 +221,7 @@ impl Hyper {
             else {
                 return Ok(response);
             };
-            let from = super::redact(&uri.to_string()).into_owned();
+            let from = crate::redact::redact(&uri.to_string()).into_owned();
             if hop == MAX_REDIRECTS {
                 return Err(refuse(format!(
                     "{from}: more than {MAX_REDIRECTS} redirects"
@@ -214,7 +231,7 @@ impl Hyper {
             let target = (url::Url::parse(&uri.to_string()))
                 .and_then(|base| base.join(location.to_str().unwrap_or_default()))
                 .map_err(|e| bad(e.to_string()))?;
-            let shown = super::redact(target.as_str()).into_owned();
+            let shown = crate::redact::redact(target.as_str()).into_owned();
             let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
             match target.scheme() {
                 "http" if downgrade && !self.1.allow_http => {
@@ -266,6 +283,7 @@ fn bounded<B>(
 where
     B: http_body::Body<Data = Bytes, Error = HttpError> + Send + Unpin + 'static,
 {
+    use futures_util::StreamExt;
     futures_util::stream::unfold(Some((body, keep)), move |state| async move {
         let (mut body, left) = state?;
         if left == 0 {
@@ -291,6 +309,7 @@ where
             },
         }
     })
+    .fuse() // polled again after its end (a HEAD's empty body), it stays ended
 }
 
 /// What went wrong, said by the connector (a stalled body, a redirect refused).

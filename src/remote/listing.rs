@@ -34,6 +34,20 @@ impl Place for Store<'_> {
 
     fn names(&self, at: &Path) -> Result<Vec<String>> {
         let url = at.to_string_lossy();
+        if url.starts_with("hf://") {
+            // A repository (or a folder of one) is what transformers looks for in it: its index,
+            // else its one file (the Hub lists through its API, not through resolve URLs).
+            let mut names = Vec::new();
+            for name in ["model.safetensors", "model.safetensors.index.json"] {
+                let file = self.join(at, name);
+                if Object::exists(&file.to_string_lossy(), self.options)
+                    .map_err(|e| Error::remote(&file, e))?
+                {
+                    names.push(name.to_string());
+                }
+            }
+            return Ok(names);
+        }
         let (store, prefix) =
             store::locate(&url, self.options).map_err(|e| Error::remote(at, e))?;
         store::runtime()

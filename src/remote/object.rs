@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
 use super::{Options, store};
 
@@ -62,7 +62,7 @@ impl std::fmt::Debug for Object {
         write!(
             f,
             "Object({}, {} bytes)",
-            super::redact(&self.url),
+            crate::redact::redact(&self.url),
             self.size
         )
     }
@@ -185,6 +185,16 @@ impl Object {
         })
     }
 
+    /// Whether `url` names an object (a HEAD request; a missing one is `false`).
+    pub fn exists(url: &str, options: &Options) -> io::Result<bool> {
+        let (store, location) = store::locate(url, options)?;
+        match store::runtime().block_on(store.head(&location)) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(to_io(url, e)),
+        }
+    }
+
     /// The store's error for a read of this object: a version that is gone is its own error.
     fn error(&self, e: object_store::Error) -> io::Error {
         match e {
@@ -286,7 +296,7 @@ fn range_error(url: &str, what: &str) -> io::Error {
 pub fn to_io(url: &str, e: object_store::Error) -> io::Error {
     use object_store::Error as E;
     // Redacted before it is cut: a URL cut short could hide its secrets from the redaction.
-    let message = shortened(super::redact(&e.to_string()).into_owned());
+    let message = shortened(crate::redact::redact(&e.to_string()).into_owned());
     let kind = match e {
         E::NotFound { .. } => io::ErrorKind::NotFound,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,

@@ -35,6 +35,11 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
 /// The store serving `url` and the object's path in it; stores are kept for the process, one per
 /// scheme, bucket (or host) and options, so shards and later loads reuse their connections.
 pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
+    let (resolved, authorization) = match hub(url)? {
+        Some((resolved, authorization)) => (resolved, authorization),
+        None => (url.to_string(), None),
+    };
+    let url = resolved.as_str();
     let parsed = Url::parse(url).map_err(|e| invalid(format!("{url}: not a URL ({e})")))?;
     let (scheme, path) = match parsed.scheme() {
         // An http(s) URL is read as it is written, whatever its host looks like: signing an
@@ -55,6 +60,9 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     // A store is kept for its URL, options and configuration from the environment: a process
     // that changes AWS_PROFILE or a key after a failed open gets a store built with the change.
     let mut key = format!("{base}?{}", query.as_deref().unwrap_or_default());
+    if let Some(authorization) = &authorization {
+        key.push_str(&format!("\nauthorization={authorization}"));
+    }
     let profile = env.profile.as_deref().unwrap_or_default();
     for (k, v) in options.iter().chain(&env.vars).chain(profile) {
         key.push_str(&format!("\n{k}={v}"));
@@ -64,13 +72,63 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((store.clone(), path));
     }
+    let connector = Connector {
+        query,
+        authorization,
+    };
     let store =
-        build(scheme, base, query, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
+        build(scheme, base, connector, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
     stores
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key, store.clone());
     Ok((store, path))
+}
+
+/// `hf://[datasets/|spaces/]ORG/REPO[@REVISION]/PATH` as the Hub's `resolve` URL (under
+/// `HF_ENDPOINT`, else https://huggingface.co; the revision `main` when none is named) and the
+/// `Authorization` huggingface_hub would send (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, else the
+/// token file under `HF_TOKEN_PATH` / `HF_HOME` / `~/.cache/huggingface`); None for other URLs.
+/// The resolve URL answers with a redirect to the Hub's storage, which the connector follows
+/// without the token.
+pub fn hub(url: &str) -> io::Result<Option<(String, Option<String>)>> {
+    let Some(rest) = url.strip_prefix("hf://") else {
+        return Ok(None);
+    };
+    let (kind, rest) = match rest.split_once('/') {
+        Some(("datasets", rest)) => ("datasets/", rest),
+        Some(("spaces", rest)) => ("spaces/", rest),
+        _ => ("", rest),
+    };
+    let mut parts = rest.splitn(3, '/');
+    let (Some(org), Some(repo)) = (parts.next().filter(|p| !p.is_empty()), parts.next()) else {
+        return Err(invalid(format!(
+            "{url}: expected hf://ORG/REPO[@REVISION]/FILE"
+        )));
+    };
+    let path = parts.next().unwrap_or_default();
+    let (repo, revision) = repo.split_once('@').unwrap_or((repo, "main"));
+    let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+    let endpoint = endpoint.trim_end_matches('/');
+    let revision = revision.replace('/', "%2F"); // refs/pr/1
+    let resolved = format!("{endpoint}/{kind}{org}/{repo}/resolve/{revision}/{path}");
+    Ok(Some((resolved, hub_token().map(|t| format!("Bearer {t}")))))
+}
+
+fn hub_token() -> Option<String> {
+    let set = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    if let Some(token) = set("HF_TOKEN").or_else(|| set("HUGGING_FACE_HUB_TOKEN")) {
+        return Some(token.trim().to_string());
+    }
+    let file = match set("HF_TOKEN_PATH") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => match set("HF_HOME") {
+            Some(home) => std::path::PathBuf::from(home).join("token"),
+            None => std::path::PathBuf::from(set("HOME")?).join(".cache/huggingface/token"),
+        },
+    };
+    let token = std::fs::read_to_string(file).ok()?;
+    Some(token.trim().to_string()).filter(|t| !t.is_empty())
 }
 
 /// What the environment configures for stores of a scheme, read once per open: its variables
@@ -118,12 +176,12 @@ type Built = Result<Arc<dyn ObjectStore>, String>;
 /// A store from its builder: the URL, the HTTP client, retries, then the options.
 macro_rules! store {
     ($builder:expr, $base:expr, $options:expr) => {
-        store!($builder, $base, $options, None)
+        store!($builder, $base, $options, Connector::default())
     };
-    ($builder:expr, $base:expr, $options:expr, $query:expr) => {{
+    ($builder:expr, $base:expr, $options:expr, $connector:expr) => {{
         let b = ($builder)
             .with_url($base)
-            .with_http_connector(Connector { query: $query })
+            .with_http_connector($connector)
             .with_retry(retry());
         let b = apply(b, $options, |b, k, v| Ok(b.with_config(k.parse()?, v)))?;
         Ok(Arc::new(b.build().map_err(|e| e.to_string())?))
@@ -133,7 +191,7 @@ macro_rules! store {
 fn build(
     scheme: ObjectStoreScheme,
     base: &str,
-    query: Option<String>,
+    connector: Connector,
     options: &Options,
     env: Environment,
 ) -> Built {
@@ -145,7 +203,7 @@ fn build(
         ObjectStoreScheme::MicrosoftAzure => {
             store!(MicrosoftAzureBuilder::from_env(), base, options)
         }
-        ObjectStoreScheme::Http => store!(HttpBuilder::new(), base, options, query),
+        ObjectStoreScheme::Http => store!(HttpBuilder::new(), base, options, connector),
         other => Err(format!("{other:?} URLs are not read by safeload")),
     }
 }

@@ -66,6 +66,7 @@ fn scheme_name(url: &str) -> &'static str {
         Some(s) if s.starts_with("s3") => "s3",
         Some(s) if s == "gs" => "gcs",
         Some(s) if s.starts_with("http") => "http",
+        Some(s) if s == "hf" => "hf",
         _ => "azure",
     }
 }

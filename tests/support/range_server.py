@@ -25,7 +25,8 @@ Each file's ETag changes when it is rewritten; a request whose ``If-Match`` name
 answered 412, as object stores answer it.
 
 ``requests`` records (method, path, requested range or None, status, body bytes sent) for each,
-logged as the response starts (so a client holding every byte finds its request logged).
+logged as the response starts (so a client holding every byte finds its request logged);
+``authorizations`` the ``Authorization`` header of each request (None where there was none).
 
     python tests/support/range_server.py DIR [--port 0] [--latency 0.005]
 """
@@ -68,6 +69,7 @@ class RangeServer(ThreadingHTTPServer):
         self.redirect_to: Optional[str] = None
         self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
+        self.authorizations: List[Optional[str]] = []
         self.gets = 0
         self.lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -93,7 +95,7 @@ class RangeServer(ThreadingHTTPServer):
             self.truncate, self.status, self.ignore_range = False, None, False
             self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
             self.redirect_to = None
-            self.requests, self.gets = [], 0
+            self.requests, self.gets, self.authorizations = [], 0, []
             self.released.set()
             self.released = threading.Event()
 
@@ -218,6 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _record(self, method: str, wanted: Optional[Tuple[int, int]], code: int, sent: int) -> None:
         with self.server.lock:
             self.server.requests.append((method, self.path, wanted, code, sent))
+            self.server.authorizations.append(self.headers.get("Authorization"))
 
 
 def _parse_range(value: Optional[str]) -> Optional[Tuple[int, int]]:
