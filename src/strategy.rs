@@ -136,6 +136,21 @@ pub fn for_purpose(
     }
 }
 
+/// Whether views of a map have their pages made resident ahead of the caller's touches (the
+/// read-ahead in page-cache mode), from the fraction of the data in the page cache (`cached`,
+/// measured when the read-ahead would start): only where some of it is not. A resident file's
+/// pages are there already; making them resident would only fill page tables for pages the
+/// caller may never touch, a cost that grows with the file where safetensors 0.8's map costs
+/// nothing (measured: `load_file` of a warm 0.5 GiB file, 8.8 ms against 0.8's 1.6 ms, all of
+/// it in `MADV_POPULATE_READ` and `WILLNEED`). Unknown: read ahead.
+pub fn populate_ahead(cached: Option<f64>) -> bool {
+    cached.is_none_or(|fraction| fraction < RESIDENT)
+}
+
+/// At or above this fraction of its data in the page cache (as sampled), a file counts as
+/// resident.
+pub const RESIDENT: f64 = 0.99;
+
 /// Below this fraction of the file in the page cache, a local file counts as cold.
 pub const COLD_BELOW: f64 = 0.5;
 
@@ -282,6 +297,15 @@ mod tests {
                 "{resolved:?} {cached:?} {purpose:?} refused={refused}"
             );
         }
+    }
+
+    #[test]
+    fn a_map_is_populated_ahead_only_where_pages_are_missing() {
+        assert!(!populate_ahead(Some(1.0)));
+        assert!(!populate_ahead(Some(RESIDENT)));
+        assert!(populate_ahead(Some(0.9)));
+        assert!(populate_ahead(Some(0.0)));
+        assert!(populate_ahead(None));
     }
 
     #[test]

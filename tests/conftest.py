@@ -240,6 +240,18 @@ def fake_cuda(monkeypatch):
 # -- process groups ----------------------------------------------------------------------------
 
 
+def _rank_then_exit(rank: int, worker: Any, *args: Any) -> None:
+    """A spawned rank: ``worker(rank, *args)``, then out of the process at once. Once its group
+    is destroyed, a rank that went on into interpreter shutdown has been seen to abort in gloo's
+    C++ teardown ("terminate called without an active exception", SIGABRT, about one full test
+    run in five with torch 2.15), after its result was written; that teardown is not what the
+    tests check. A worker that raises still fails the rank (spawn reports it)."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(worker: Any, world: int, tmp: str, args: tuple, join_seconds: float) -> list:
     """Starts ``worker(rank, *args)`` on ``world`` spawned processes (gloo on loopback) and returns
     what each wrote to ``tmp/result-{rank}.json``. A join past ``join_seconds`` kills them and
@@ -249,7 +261,7 @@ def run_ranks(worker: Any, world: int, tmp: str, args: tuple, join_seconds: floa
     import torch.multiprocessing as mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_then_exit, args=(worker, *args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + join_seconds
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -20,6 +20,7 @@ import safetensors.torch as st
 import torch
 
 import safeload
+import safeload.torch
 from conftest import raw_bytes
 
 import slowfs  # tests/support/slowfs.py, on sys.path through conftest
@@ -103,6 +104,49 @@ def test_default_backend_returns_views_where_it_maps(model):
             if v.numel():
                 assert v.untyped_storage().data_ptr() == f.get_tensor(k).untyped_storage().data_ptr(), k
     _same(got, want)
+
+
+def _mapped_rss_kib(path):
+    """Resident KiB of this process's mappings of ``path`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as maps:
+        for line in maps:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("call", ["get_tensors", "get_tensor loop", "load_file"])
+def test_a_resident_file_is_mapped_and_nothing_is_faulted_in(tmp_path, call):
+    """safetensors 0.8's default on a warm file: views of a map, no page touched until the caller
+    touches it. safeload's read-ahead makes pages resident only where the file is not in the
+    page cache; on a resident file it would fault every page into the process (per call, a cost
+    that grows with the file), which /proc/self/smaps shows as the map's Rss."""
+    path = str(tmp_path / "warm.safetensors")
+    st.save_file({f"t{i}": torch.full((1 << 20,), float(i)) for i in range(6)}, path)
+    with open(path, "rb") as f:
+        while f.read(1 << 22):  # resident in the page cache
+            pass
+    if call == "load_file":
+        got = safeload.torch.load_file(path)
+        backend = "mmap"  # load_file's handle is closed; its views keep the map
+    else:
+        with safeload.safe_open(path, "pt") as f:
+            backend = f.backend
+            got = f.get_tensors() if call == "get_tensors" else {k: f.get_tensor(k) for k in f.offset_keys()}
+            rss = _mapped_rss_kib(path)
+    if backend != "mmap":
+        pytest.skip(f"auto chose {backend} here")
+    if call == "load_file":
+        rss = _mapped_rss_kib(path)
+    # 24 MiB of tensors; nothing of them touched (the header is read, not mapped).
+    assert rss <= 64, f"{rss} KiB of the map faulted in by {call}"
+    for i in range(6):
+        assert torch.equal(got[f"t{i}"], torch.full((1 << 20,), float(i)))
 
 
 @pytest.mark.parametrize("backend", ["pread", "direct"])

@@ -114,13 +114,7 @@ impl Source {
             Backend::Pread => (Strategy::Pread, None),
             Backend::Direct => (Strategy::Direct, None),
             Backend::Auto | Backend::Mmap => {
-                let cached = self.backing.file().and_then(|file| {
-                    strategy::cached_fraction(
-                        file,
-                        self.header.data_start(),
-                        self.header.data_len(),
-                    )
-                });
+                let cached = self.cached();
                 let available = crate::memory::available();
                 let strategy = strategy::choose(
                     self.kind,
@@ -135,6 +129,13 @@ impl Source {
                 (strategy, cached)
             }
         }
+    }
+
+    /// Fraction (0..=1) of the data area in the page cache now, sampled; None where it cannot
+    /// be told (an object in a store, a platform without `mincore`).
+    pub fn cached(&self) -> Option<f64> {
+        let file = self.backing.file()?;
+        strategy::cached_fraction(file, self.header.data_start(), self.header.data_len())
     }
 
     /// The file opened to read around the page cache, or None where that is refused.

@@ -11,6 +11,7 @@ use crate::py::errors::detached;
 use crate::py::prefetch::Prefetch;
 use crate::py::provided;
 use crate::readahead::{self, Mode, ReadAhead};
+use crate::strategy;
 
 impl Handle {
     /// The handle's read-ahead, made at the first call: into `provided` destinations (see
@@ -25,6 +26,9 @@ impl Handle {
                     Mode::for_strategy(ckpt.strategy())
                 };
                 let (source, tally) = (ckpt.shards[self.shard].clone(), ckpt.tally());
+                if mode == Mode::PageCache && !strategy::populate_ahead(source.cached()) {
+                    return None;
+                }
                 (budget > 0).then(|| ReadAhead::new(source, tally, mode, ckpt.options(), budget))
             })
             .as_ref()
