@@ -89,6 +89,7 @@ CONTENDERS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "st_loop": ("safetensors default backend: get_tensor(k) for k in keys() (vLLM, ltx-core)", "all", _ALL),
     "st_slices": ("safetensors backend='mmap': get_slice(k) for every key, then [...] from 4 threads (transformers 5)",
                   "all", _ALL),
+    "sl_default": ("safeload.torch.load_file() per file, default backend (auto)", "all", _ALL),
     "sl_loop": ("safeload default backend: get_tensor(k) for k in keys()", "all", _ALL),
     "sl_loop_pread": ("safeload pread: get_tensor(k) for k in keys()", "all", _ALL),
     "sl_slices": ("safeload backend='mmap' (what patched transformers passes): get_slice, then [...] from 4 threads",
@@ -266,11 +267,13 @@ def _loader(name: str, spec: Dict[str, Any], meta: Dict[str, Any]) -> Callable[[
     import safeload
     import safeload.torch
 
-    if name == "st_default":
+    if name in ("st_default", "sl_default"):
+        load_file = safetensors.torch.load_file if name == "st_default" else safeload.torch.load_file
+
         def run() -> Dict[str, Any]:
             out: Dict[str, Any] = {}
             for f in files:
-                out.update(safetensors.torch.load_file(f))
+                out.update(load_file(f))
             return out
     elif name == "st_get_tensors":
         def run() -> Dict[str, Any]:

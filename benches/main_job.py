@@ -1,0 +1,368 @@
+#!/usr/bin/env python3
+"""The main job: safeload against safetensors 0.8 on a built-in sample, side by side, in about two
+minutes on 2 cores.
+
+    python benches/main_job.py            # ~1 GiB sample, warm and cold, 3 rounds: table + chart
+    python benches/main_job.py --full     # the full benchmark: benches/bench.py [options], then benches/e2e.py
+
+The sample is a Llama-shaped causal LM with random bf16 weights (~1 GiB in 2 shards), written once
+with transformers' own ``save_pretrained`` under ``--data-dir``. Four ways users load it, each
+with safetensors 0.8 and with safeload:
+
+- ``load_file``: ``safetensors.torch.load_file(shard)`` for each shard, the default backend (0.8:
+  a map that copies nothing; safeload: ``"auto"``);
+- ``pread``: ``safe_open(shard, "pt", backend="pread").get_tensors()``;
+- ``get_tensor loop``: ``for k in f.keys(): f.get_tensor(k)``, the default backend (vLLM's and
+  ltx-core's loop);
+- ``from_pretrained``: transformers' ``AutoModelForCausalLM.from_pretrained``, unmodified: stock
+  against ``SAFELOAD_PATCH=1`` (the patch the startup hook applies);
+
+and the machine's limit for each cache state (``benches/bench.py``'s references: parallel
+``preadv`` into one pre-faulted buffer, and O_DIRECT when cold). Warm: the files are in the page
+cache. Cold: each measurement evicts them first (``POSIX_FADV_DONTNEED``; the host may still
+cache them, so cold figures vary).
+
+Every measurement is a fresh process: this one imports torch, safetensors, safeload and
+transformers once and forks a child per measurement (before the clock: the imports, the model
+class, the patch; the clock stops once one byte of every page of every tensor has been read).
+Rounds interleave the contenders in a shuffled order; the table gives medians, safeload / 0.8
+ratios (> 1: safeload faster), the fraction of the machine's limit, and each child's peak RSS. A
+child before the first round checks that every safeload result equals 0.8's, byte for byte.
+Output: the table on the terminal (a progress bar on stderr while it runs), and
+``main-job.md``, ``main-job.json`` and the chart ``main-job.svg`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import select
+import signal
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench  # noqa: E402 - benches/bench.py: loaders, page-cache, RSS and reference helpers
+import e2e  # noqa: E402 - benches/e2e.py: the model and its from_pretrained
+
+GIB = float(1 << 30)
+STATES = ("warm", "cold")
+#: job -> (what it does, safetensors 0.8's contender, safeload's contender)
+JOBS: Dict[str, Tuple[str, str, str]] = {
+    "load_file": ("load_file(shard) for each shard, default backend", "st_default", "sl_default"),
+    "pread": ("safe_open(backend='pread').get_tensors()", "st_get_tensors", "sl_get_tensors"),
+    "get_tensor loop": ("for k in keys(): get_tensor(k), default backend", "st_loop", "sl_loop"),
+    "from_pretrained": ("transformers from_pretrained, unmodified: stock vs SAFELOAD_PATCH=1",
+                        "fp_stock", "fp_patch"),
+}
+LIMITS = {"warm": ("ref_copy",), "cold": ("ref_copy", "ref_odirect")}
+CHILD_TIMEOUT_S = 600.0
+
+
+# -- children --------------------------------------------------------------------------------------
+
+
+def _reset_peak_rss() -> None:
+    """Peak RSS from now on (Linux: writing 5 to clear_refs resets VmHWM to the current RSS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _measure(contender: str, state: str, files: List[str], model_dir: str,
+             from_pretrained: Callable[[], Any], threads: int) -> Dict[str, Any]:
+    """One timed load in this (forked) process."""
+    out: Dict[str, Any] = {}
+    if contender == "fp_patch":
+        import importlib
+
+        os.environ["SAFELOAD_PATCH"] = "1"
+        importlib.import_module("safeload.patch")._autopatch()  # what the startup hook runs
+    run = None
+    if contender.startswith(("st_", "sl_")):
+        run = bench._loader(contender, {"files": files}, out)
+    if state == "cold":
+        for f in files:
+            bench._drop_cache(f)
+        out["resident_before"] = bench._resident_fraction(files)
+    _reset_peak_rss()
+    start = time.perf_counter()
+    if contender.startswith("ref_"):
+        seconds, nbytes, extra = bench._ref_read(files, threads, direct=contender == "ref_odirect")
+        if "skipped" in extra:  # O_DIRECT refused here (tmpfs, say): no limit from it
+            return dict(out, **extra)
+    elif contender.startswith("fp_"):
+        model = from_pretrained()
+        nbytes = e2e._touch(model)
+        seconds = time.perf_counter() - start
+    else:
+        assert run is not None
+        result = run()
+        bench._touch(result)
+        seconds = time.perf_counter() - start
+        nbytes = sum(t.numel() * t.element_size() for t in result.values())
+    out.update(seconds=seconds, bytes=nbytes, peak_rss_kib=bench._vmhwm_kib())
+    return out
+
+
+def _verify(files: List[str], from_pretrained: Callable[[], Any]) -> Dict[str, Any]:
+    """Every safeload contender's tensors against 0.8's, byte for byte; the patched model's weights
+    against the stock model's."""
+    import torch
+
+    def same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+        return set(a) == set(b) and all(
+            a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+            and torch.equal(bench._as_bytes(a[k]), bench._as_bytes(b[k])) for k in a)
+
+    ref = bench._loader("st_get_tensors", {"files": files}, {})()
+    out = {c: same(bench._loader(c, {"files": files}, {})(), ref) for _, _, c in JOBS.values() if c.startswith("sl_")}
+    stock = {k: v.clone() for k, v in from_pretrained().state_dict().items()}
+    import safeload
+
+    with safeload.patched():
+        out["fp_patch"] = same(from_pretrained().state_dict(), stock)
+    return out
+
+
+def in_child(work: Callable[[], Dict[str, Any]], timeout: float = CHILD_TIMEOUT_S) -> Dict[str, Any]:
+    """``work()`` in a forked child; its result (or ``{"error": ...}``) comes back as JSON."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(r)
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = {"error": f"{type(e).__name__}: {e}"}
+        os.write(w, json.dumps(result).encode())
+        os.close(w)
+        os._exit(0)  # skip freeing gigabytes of tensors on the way out
+    os.close(w)
+    chunks: List[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return {"error": f"timed out after {timeout:.0f} s"}
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    if not chunks:
+        return {"error": f"the child died (wait status {status})"}
+    return json.loads(b"".join(chunks))
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def ensure_sample(data_dir: str, size: str) -> str:
+    """The sample model's directory, written (in a child) when missing."""
+    path = os.path.join(data_dir, f"main-job-llama-{size}")
+    if not os.path.isdir(path):
+        os.makedirs(data_dir, exist_ok=True)
+        bench._log(f"writing the sample ({size}) to {path} ...")
+        res = in_child(lambda: (e2e.build_model("transformers", size, path), {"ok": True})[1])
+        if "error" in res:
+            raise SystemExit(f"writing the sample failed: {res['error']}")
+    return path
+
+
+def summarize(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per state and job: medians of GiB/s, seconds and peak RSS of each side, the ratio
+    safeload / 0.8 and safeload's share of the state's limit."""
+    def med(state: str, contender: str) -> Optional[Dict[str, float]]:
+        ok = [r for r in runs if r["state"] == state and r["contender"] == contender and "seconds" in r]
+        if not ok:
+            return None
+        return {"gibs": statistics.median(r["bytes"] / r["seconds"] / GIB for r in ok),
+                "seconds": statistics.median(r["seconds"] for r in ok),
+                "peak_rss_gib": statistics.median(r["peak_rss_kib"] for r in ok) * 1024 / GIB,
+                "runs": len(ok)}
+
+    rows = []
+    for state in STATES:
+        limits = [m["gibs"] for m in (med(state, c) for c in LIMITS[state]) if m]
+        limit = max(limits) if limits else None
+        for job, (_, st, sl) in JOBS.items():
+            a, b = med(state, st), med(state, sl)
+            if not a and not b:
+                continue
+            rows.append({"state": state, "job": job, "safetensors": a, "safeload": b, "limit_gibs": limit,
+                         "ratio": b["gibs"] / a["gibs"] if a and b else None,
+                         "of_limit": b["gibs"] / limit if b and limit else None})
+    return rows
+
+
+def render(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
+    def side(m: Optional[Dict[str, float]]) -> str:
+        return f"{m['gibs']:.2f} GiB/s ({m['seconds']:.2f} s, {m['peak_rss_gib']:.2f} GiB)" if m else "-"
+
+    lines = [f"## safeload vs safetensors 0.8: {meta['sample_gib']:.2f} GiB sample, medians of {meta['rounds']} rounds",
+             "", "GiB/s (seconds, peak RSS); ratio > 1: safeload faster. The limit is the machine's copy limit "
+             "(warm: page cache to memory; cold: the disk, buffered or O_DIRECT): a map copies nothing, so a "
+             "warm map's figures can pass it.", "",
+             "| state | job | safetensors 0.8 | safeload | safeload / 0.8 | safeload / limit |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"**{r['ratio']:.2f}x**" if r["ratio"] else "-"
+        of_limit = f"{r['of_limit']:.2f} (limit {r['limit_gibs']:.2f} GiB/s)" if r["of_limit"] else "-"
+        lines.append(f"| {r['state']} | {r['job']} | {side(r['safetensors'])} | {side(r['safeload'])} | {ratio} | {of_limit} |")
+    lines += ["", "Jobs: " + "; ".join(f"`{j}`: {d}" for j, (d, _, _) in JOBS.items()) + ".",
+              "Tensors equal to 0.8's: " + ", ".join(f"{k} {v if k == 'error' else 'yes' if v else 'NO'}"
+                                                    for k, v in meta["verify"].items()),
+              f"Cold: resident before the load at most {meta['resident_before_max']:.0%} (after the eviction)."
+              if meta.get("resident_before_max") is not None else "",
+              f"{meta['measurements']} measurements, {meta['elapsed_s']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def svg_chart(rows: List[Dict[str, Any]], title: str) -> str:
+    """A bar chart of ``rows``: per state and job, 0.8's and safeload's GiB/s, the limit dashed."""
+    bar, gap, label_w, width = 14, 16, 190, 760
+    top = 48
+    scale_max = max([1e-9] + [m["gibs"] for r in rows for m in (r["safetensors"], r["safeload"]) if m]
+                    + [r["limit_gibs"] or 0 for r in rows])
+    plot_w = width - label_w - 90
+    x = lambda v: label_w + plot_w * v / scale_max  # noqa: E731
+    parts: List[str] = []
+    y = top
+    for r in rows:
+        parts.append(f'<text x="{label_w - 8}" y="{y + bar + 4}" text-anchor="end">{r["state"]} · {r["job"]}</text>')
+        for i, (who, color) in enumerate((("safetensors", "#9aa0a6"), ("safeload", "#1a73e8"))):
+            m = r[who]
+            if not m:
+                continue
+            by = y + i * bar
+            parts.append(f'<rect x="{label_w}" y="{by}" width="{x(m["gibs"]) - label_w:.1f}" height="{bar - 2}" fill="{color}"/>')
+            parts.append(f'<text x="{x(m["gibs"]) + 4:.1f}" y="{by + bar - 4}" font-size="11">{m["gibs"]:.2f}</text>')
+        if r["limit_gibs"]:
+            lx = x(r["limit_gibs"])
+            parts.append(f'<line x1="{lx:.1f}" x2="{lx:.1f}" y1="{y - 2}" y2="{y + 2 * bar}" stroke="#d93025" '
+                         'stroke-dasharray="3,2"/>')
+        y += 2 * bar + gap
+    height = y + 30
+    legend = (f'<rect x="{label_w}" y="{height - 22}" width="10" height="10" fill="#9aa0a6"/>'
+              f'<text x="{label_w + 14}" y="{height - 13}" font-size="11">safetensors 0.8</text>'
+              f'<rect x="{label_w + 120}" y="{height - 22}" width="10" height="10" fill="#1a73e8"/>'
+              f'<text x="{label_w + 134}" y="{height - 13}" font-size="11">safeload</text>'
+              f'<line x1="{label_w + 210}" x2="{label_w + 224}" y1="{height - 17}" y2="{height - 17}" stroke="#d93025" '
+              f'stroke-dasharray="3,2"/><text x="{label_w + 228}" y="{height - 13}" font-size="11">machine limit '
+              '(GiB/s)</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+            f'font-size="12"><rect width="100%" height="100%" fill="white"/>'
+            f'<text x="10" y="24" font-size="14" font-weight="bold">{title}</text>'
+            + "".join(parts) + legend + "</svg>\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+    import torch  # noqa: F401 - imported once, here, before any clock: every child inherits it
+    import safetensors.torch  # noqa: F401
+    import tqdm
+
+    import safeload.torch  # noqa: F401
+    from safeload import _safeload
+
+    model_dir = ensure_sample(args.data_dir, args.size)
+    files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    from_pretrained = e2e.prepare("transformers", model_dir)  # the imports, the config, the class
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # one bar here, ours
+    threads = _safeload.DEFAULT_THREADS
+    bench._log(f"sample: {len(files)} shards, {sum(os.path.getsize(f) for f in files) / GIB:.2f} GiB; "
+               "checking that safeload's tensors equal 0.8's ...")
+    verify = in_child(lambda: _verify(files, from_pretrained))
+    contenders = [c for _, st, sl in JOBS.values() for c in (st, sl)]
+    plan = [(state, rnd, c) for state in STATES for rnd in range(args.rounds)
+            for c in random.Random(f"{args.seed}/{state}/{rnd}").sample(contenders + list(LIMITS[state]),
+                                                                         len(contenders) + len(LIMITS[state]))]
+    runs: List[Dict[str, Any]] = []
+    with tqdm.tqdm(total=len(plan), desc="measuring", unit="load", file=sys.stderr, leave=False) as bar:
+        for state, rnd, contender in plan:
+            if state == "warm":
+                bench._prewarm(files)
+            if args.settle > 0:
+                time.sleep(args.settle)
+            bar.set_postfix_str(f"{state} r{rnd} {contender}")
+            res = in_child(functools.partial(_measure, contender, state, files, model_dir, from_pretrained, threads))
+            res.update(state=state, round=rnd, contender=contender)
+            if "error" in res:
+                tqdm.tqdm.write(f"{state} r{rnd} {contender}: {res['error']}", file=sys.stderr)
+            runs.append(res)
+            bar.update()
+    rows = summarize(runs)
+    cold = [r["resident_before"] for r in runs if r.get("resident_before") is not None]
+    meta = {"sample": model_dir, "sample_gib": sum(os.path.getsize(f) for f in files) / GIB, "rounds": args.rounds,
+            "seed": args.seed, "threads": threads, "verify": verify, "measurements": len(runs),
+            "resident_before_max": max(cold) if cold else None, "elapsed_s": time.perf_counter() - t0,
+            "environment": bench._environment(threads, None)}
+    text = render(rows, meta)
+    sys.stdout.write(text)
+    os.makedirs(args.out, exist_ok=True)
+    chart = os.path.join(args.out, "main-job.svg")
+    with open(chart, "w", encoding="utf-8") as f:
+        f.write(svg_chart(rows, f"safeload vs safetensors 0.8, {meta['sample_gib']:.2f} GiB sample (GiB/s)"))
+    with open(os.path.join(args.out, "main-job.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "main-job.json"), "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
+    bench._log(f"wrote {chart}, main-job.md and main-job.json in {args.out}")
+    failed = [r for r in runs if "error" in r]
+    return 1 if failed or "error" in verify or not all(verify.values()) else 0
+
+
+def full(rest: Sequence[str]) -> int:
+    """The full benchmark: every loader on every sample (bench.py, given ``rest``), then
+    transformers' and diffusers' from_pretrained in every storage state (e2e.py)."""
+    import subprocess
+
+    codes = [subprocess.call([sys.executable, os.path.join(HERE, "bench.py"), *rest]),
+             subprocess.call([sys.executable, os.path.join(HERE, "e2e.py")])]
+    return max(codes)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--full"]:
+        return full(argv[1:])
+    p = argparse.ArgumentParser(prog="benches/main_job.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--full", action="store_true", help="run the full benchmark instead (first argument)")
+    p.add_argument("--size", choices=("main", "small", "tiny"), default="main",
+                   help="sample: main ~1 GiB (default), small ~0.26 GiB, tiny (a smoke run)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle", type=float, default=0.2, metavar="SECONDS", help="pause before each measurement")
+    p.add_argument("--data-dir", default="bench-data")
+    p.add_argument("--out", default="bench-out")
+    args = p.parse_args(argv)
+    if args.full:
+        raise SystemExit("--full goes first: python benches/main_job.py --full [bench.py options]")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    if not hasattr(os, "fork"):
+        raise SystemExit("the main job forks a fresh process per measurement: Linux or macOS")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
