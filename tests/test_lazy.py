@@ -120,7 +120,7 @@ def _mapped_rss_kib(path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
-@pytest.mark.parametrize("call", ["get_tensors", "get_tensor loop", "load_file"])
+@pytest.mark.parametrize("call", ["get_tensors", "get_tensor loop", "load_file", "load_checkpoint"])
 def test_a_resident_file_is_mapped_and_nothing_is_faulted_in(tmp_path, call):
     """safetensors 0.8's default on a warm file: views of a map, no page touched until the caller
     touches it. safeload's read-ahead makes pages resident only where the file is not in the
@@ -131,9 +131,13 @@ def test_a_resident_file_is_mapped_and_nothing_is_faulted_in(tmp_path, call):
     with open(path, "rb") as f:
         while f.read(1 << 22):  # resident in the page cache
             pass
-    if call == "load_file":
-        got = safeload.torch.load_file(path)
-        backend = "mmap"  # load_file's handle is closed; its views keep the map
+    if call in ("load_file", "load_checkpoint"):
+        if call == "load_file":
+            got = safeload.torch.load_file(path)
+            backend = "mmap"  # the handle is closed; its views keep the map
+        else:
+            got, stats = safeload.torch.load_checkpoint(str(tmp_path), return_stats=True)
+            backend = stats.backend
     else:
         with safeload.safe_open(path, "pt") as f:
             backend = f.backend
@@ -141,12 +145,31 @@ def test_a_resident_file_is_mapped_and_nothing_is_faulted_in(tmp_path, call):
             rss = _mapped_rss_kib(path)
     if backend != "mmap":
         pytest.skip(f"auto chose {backend} here")
-    if call == "load_file":
+    if call in ("load_file", "load_checkpoint"):
         rss = _mapped_rss_kib(path)
     # 24 MiB of tensors; nothing of them touched (the header is read, not mapped).
     assert rss <= 64, f"{rss} KiB of the map faulted in by {call}"
     for i in range(6):
         assert torch.equal(got[f"t{i}"], torch.full((1 << 20,), float(i)))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="evicts with posix_fadvise")
+def test_shards_evicted_from_the_page_cache_are_mapped_and_read_ahead(tmp_path):
+    """load_checkpoint of cold shards: views of the maps whose pages a background walk brings in
+    while the caller touches them; whatever the race, the tensors are the file's."""
+    want = {}
+    for shard in range(3):
+        part = {f"s{shard}.t{i}": torch.randn(256, 1024) for i in range(4)}
+        st.save_file(part, tmp_path / f"model-{shard}.safetensors")
+        want.update(part)
+    for f in tmp_path.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    got, stats = safeload.torch.load_checkpoint(str(tmp_path), return_stats=True)
+    assert stats.backend in ("mmap", "pread", "direct")
+    _same(got, want)
 
 
 @pytest.mark.parametrize("backend", ["pread", "direct"])

@@ -20,7 +20,9 @@ use super::stats::Stats;
 use super::stream::Stream;
 use crate::checkpoint::{self, Entry};
 use crate::error::Error;
+use crate::readahead;
 use crate::source::Target;
+use crate::strategy::Strategy;
 
 fn tuples(entries: &[Entry<'_>], read: crate::source::Tensors) -> Vec<TensorTuple> {
     entries
@@ -132,6 +134,11 @@ impl Checkpoint {
         let picked = ckpt.select(names.as_deref())?;
         let c: &checkpoint::Checkpoint = &ckpt;
         let (read, s) = detached(py, |poll| c.read(&picked, dtype, poll))?;
+        // Views of maps: every shard's pages are made resident ahead of the caller's touches,
+        // as a handle's `get_tensors()` does (not when read into memory, converting).
+        if names.is_none() && s.backend == Strategy::Mmap {
+            readahead::populate_in_background(ckpt.shards.clone(), ckpt.tally(), ckpt.options());
+        }
         Ok((tuples(&picked, read), Stats::from(s)))
     }
 

@@ -34,12 +34,41 @@ use crate::engine::Tally;
 use crate::error::Result;
 use crate::header::TensorInfo;
 use crate::source::{self, ReadOptions, Source};
-use crate::strategy::Strategy;
+use crate::strategy::{self, Strategy};
 
 mod budget;
 mod provided;
 mod walk;
 mod worker;
+
+/// Makes the pages of every tensor of each of `sources` resident in its map, in the background,
+/// one file after another in file order, for the shards whose data are not all in the page cache
+/// ([`strategy::populate_ahead`], measured now): what `get_tensors()` on a mapped handle starts,
+/// for a checkpoint's whole read of mapped shards, which has no handle to keep a read-ahead in
+/// (`load_checkpoint` cold: the caller's touches found pages read ahead of them instead of
+/// faulting each window in; 0.55 -> 1.4 GiB/s on 1 GiB in 2 shards, what `load_file` of each
+/// shard reaches). The walk ends on its own at the last shard; `SAFELOAD_READAHEAD_BYTES=0`
+/// turns it off, as it turns off every read-ahead.
+pub fn populate_in_background(sources: Vec<Arc<Source>>, tally: Arc<Tally>, opts: ReadOptions) {
+    let budget = budget_from_env();
+    let cold: Vec<Arc<Source>> = (sources.into_iter())
+        .filter(|s| strategy::populate_ahead(s.cached()))
+        .collect();
+    if budget == 0 || cold.is_empty() {
+        return;
+    }
+    let walk = move || {
+        for source in cold {
+            let ahead = ReadAhead::new(source, tally.clone(), Mode::PageCache, opts, budget);
+            ahead.want_all();
+            ahead.finish();
+        }
+    };
+    // Without a thread there is no read-ahead: the touches fault the pages in.
+    let _ = std::thread::Builder::new()
+        .name("safeload-populate".into())
+        .spawn(walk);
+}
 
 // Only the binding asks for the budgets (see the crate's dead-code note).
 #[cfg_attr(not(feature = "python"), allow(unused_imports))]

@@ -60,9 +60,8 @@ impl ReadAhead {
         state.held = 0;
     }
 
-    /// Waits for the workers to finish the walk (tests: after [`ReadAhead::want_all`], when
-    /// the window cannot stall them).
-    #[cfg(test)]
+    /// Waits for the workers to finish the walk (after [`ReadAhead::want_all`], when the window
+    /// cannot stall them: a walk that makes pages resident, tests).
     pub(super) fn finish(&self) {
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
         for w in workers {
