@@ -420,6 +420,20 @@ def test_redirects_are_followed_as_http_clients_follow_them(http, mixed, root):
         storage.stop()
 
 
+def test_allow_http_false_refuses_plain_http(http, mixed, root):
+    """object_store's allow_http=false: no request goes to an http:// URL; not given, or true,
+    an http:// URL is read; fsspec's use_ssl=True refuses nothing."""
+    path, ref = mixed
+    url = f"{http.url}/models/mixed.safetensors"
+    before = len(http.requests)
+    for value in ("false", False):
+        with pytest.raises(safeload.SafetensorError, match="plain http is refused: storage_options has allow_http=false"):
+            safeload.torch.load_file(url, storage_options={"allow_http": value})
+    assert len(http.requests) == before  # refused before anything was sent
+    for options in (None, {"allow_http": "true"}, {"use_ssl": True}, {"use_ssl": False}):
+        _assert_same(safeload.torch.load_file(url, storage_options=options), ref)
+
+
 def test_hf_urls_read_from_the_hubs_resolve_endpoint_with_the_token(http, root, monkeypatch):
     """hf://ORG/REPO[@REVISION]/FILE (and a repository: its index, else its model.safetensors)
     read through HF_ENDPOINT's /resolve/, which answers with a redirect to its storage (another

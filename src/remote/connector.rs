@@ -54,14 +54,19 @@ pub struct Connector {
     /// An `Authorization` value every request of this client starts with (the Hub's token), sent
     /// to the host the URL names and to no other (see `Hyper::follow`).
     pub authorization: Option<String>,
+    /// The caller's `allow_http=false`: no request goes to an `http://` URL.
+    pub refuse_http: bool,
 }
 
-/// The waits a client bounds, and whether it may follow a redirect from https to http.
+/// The waits a client bounds, and which plain-http requests it sends: a redirect from https to
+/// http only with `allow_http` true (`downgrade`), none at all with the caller's
+/// `allow_http=false` (`refuse_http`).
 #[derive(Debug, Clone, Copy)]
 struct Waits {
     response: Duration,
     stall: Duration,
-    allow_http: bool,
+    downgrade: bool,
+    refuse_http: bool,
 }
 
 /// A duration client option, in the forms `object_store` takes ("30s", "1m 30s", "500ms").
@@ -92,8 +97,9 @@ impl HttpConnector for Connector {
                 .map_err(generic)?,
             stall: duration(options, ClientConfigKey::ReadTimeout, STALL_TIMEOUT)
                 .map_err(generic)?,
-            allow_http: (options.get_config_value(&ClientConfigKey::AllowHttp))
-                .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+            downgrade: (options.get_config_value(&ClientConfigKey::AllowHttp))
+                .is_some_and(|v| v.trim().eq_ignore_ascii_case("true")),
+            refuse_http: self.refuse_http,
         };
         let connect_timeout =
             duration(options, ClientConfigKey::ConnectTimeout, CONNECT_TIMEOUT).map_err(generic)?;
@@ -131,7 +137,12 @@ impl HttpConnector for Connector {
                 value.set_sensitive(true);
                 value
             });
-        let client = Hyper(client, waits, self.query.clone(), authorization);
+        let client = Hyper {
+            client,
+            waits,
+            query: self.query.clone(),
+            authorization,
+        };
         Ok(HttpClient::new(client))
     }
 }
@@ -147,18 +158,21 @@ fn extra_roots() -> Result<Vec<CertificateDer<'static>>, String> {
         .map_err(|e| format!("CA bundle {path}: {e}"))
 }
 
+/// The HTTP client every store request goes through.
 #[derive(Debug)]
-struct Hyper(
-    Client<HttpsConnector<Tcp>, HttpRequestBody>,
-    Waits,
-    Option<String>,
-    Option<http::HeaderValue>,
-);
+struct Hyper {
+    client: Client<HttpsConnector<Tcp>, HttpRequestBody>,
+    waits: Waits,
+    /// The URL's query string, appended to every request (presigned and SAS URLs).
+    query: Option<String>,
+    /// Sent to the URL's own host only (see [`Hyper::follow`]).
+    authorization: Option<http::HeaderValue>,
+}
 
 #[async_trait]
 impl HttpService for Hyper {
     async fn call(&self, mut req: HttpRequest) -> Result<HttpResponse, HttpError> {
-        if let Some(query) = &self.2 {
+        if let Some(query) = &self.query {
             let uri = req.uri().to_string();
             let joined = match uri.contains('?') {
                 true => format!("{uri}&{query}"),
@@ -168,12 +182,12 @@ impl HttpService for Hyper {
                 .parse()
                 .map_err(|e| HttpError::new(HttpErrorKind::Request, e))?;
         }
-        if let Some(value) = &self.3 {
+        if let Some(value) = &self.authorization {
             req.headers_mut()
                 .insert(http::header::AUTHORIZATION, value.clone());
         }
         let ranged = req.headers().contains_key(RANGE);
-        let stall = self.1.stall;
+        let stall = self.waits.stall;
         let response = self.follow(req).await?;
         let (mut parts, body) = response.into_parts();
         if ranged && parts.status == StatusCode::OK && parts.headers.contains_key(CONTENT_RANGE) {
@@ -205,7 +219,13 @@ impl Hyper {
         let mut next = Some(req);
         for hop in 0..=MAX_REDIRECTS {
             let request = next.take().expect("set for every hop");
-            let response = tokio::time::timeout(self.1.response, self.0.request(request))
+            if uri.scheme_str() == Some("http") && self.waits.refuse_http {
+                return Err(refuse(format!(
+                    "{}: plain http is refused: storage_options has allow_http=false",
+                    crate::redact::redact(&uri.to_string())
+                )));
+            }
+            let response = tokio::time::timeout(self.waits.response, self.client.request(request))
                 .await
                 .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
                 .map_err(|e| {
@@ -234,7 +254,7 @@ impl Hyper {
             let shown = crate::redact::redact(target.as_str()).into_owned();
             let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
             match target.scheme() {
-                "http" if downgrade && !self.1.allow_http => {
+                "http" if downgrade && !self.waits.downgrade => {
                     return Err(refuse(format!(
                         "{from}: redirected from https to http ({shown}): refused unless \
                          storage_options has allow_http=true"

@@ -72,9 +72,16 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     if let Some(store) = stores.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((store.clone(), path));
     }
+    // object_store's default for allow_http is false, and its options cannot tell a default from
+    // a choice: only the caller's allow_http=false refuses plain http (an http:// URL they name
+    // is read otherwise).
+    let refuse_http = options
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("allow_http") && !is_true(v));
     let connector = Connector {
         query,
         authorization,
+        refuse_http,
     };
     let store =
         build(scheme, base, connector, options, env).map_err(|e| invalid(format!("{url}: {e}")))?;
@@ -291,7 +298,11 @@ fn apply<B>(
 ) -> Result<B, String> {
     for (key, value) in options {
         let k = canonical(key);
-        // fsspec's use_ssl=False means plain HTTP is fine.
+        // fsspec's use_ssl=False means plain HTTP is fine; use_ssl=True refuses nothing (s3fs
+        // still reads an endpoint_url that says http://), where allow_http=false refuses http.
+        if key.eq_ignore_ascii_case("use_ssl") && is_true(value) {
+            continue;
+        }
         let value = match k.as_str() {
             "allow_http" if key.eq_ignore_ascii_case("use_ssl") => (!is_true(value)).to_string(),
             _ => value.clone(),
