@@ -420,6 +420,39 @@ def test_redirects_are_followed_as_http_clients_follow_them(http, mixed, root):
         storage.stop()
 
 
+def _self_signed(tmp_path):
+    import shutil
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-addext", "basicConstraints=critical,CA:FALSE"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_a_certificate_the_roots_do_not_trust_is_named_and_not_retried(mixed, root, tmp_path, monkeypatch):
+    """HTTPS to a server whose certificate no root vouches for: one handshake, then a
+    SafetensorError that says TLS failed and why (not hyper's bare "client error (Connect)" after
+    every retry); with the certificate in AWS_CA_BUNDLE the same URL loads."""
+    path, ref = mixed
+    cert, key = _self_signed(tmp_path)
+    server = RangeServer(root).tls(cert, key).start()
+    try:
+        url = f"{server.url}/models/mixed.safetensors"
+        with pytest.raises(safeload.SafetensorError) as e:
+            safeload.torch.load_file(url)
+        assert "TLS failed" in str(e.value) and "certificate" in str(e.value), str(e.value)
+        assert server.handshakes == 1
+        monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+        # A new client (the options differ), built with the bundle.
+        _assert_same(safeload.torch.load_file(url, storage_options={"timeout": "29s"}), ref)
+    finally:
+        server.stop()
+
+
 def test_allow_http_false_refuses_plain_http(http, mixed, root):
     """object_store's allow_http=false: no request goes to an http:// URL; not given, or true,
     an http:// URL is read; fsspec's use_ssl=True refuses nothing."""

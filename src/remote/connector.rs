@@ -147,6 +147,26 @@ impl HttpConnector for Connector {
     }
 }
 
+/// Every cause of a client error, outermost first (hyper's own message says only "client error
+/// (Connect)"), and whether one is TLS's (an untrusted or expired certificate, a name it does
+/// not cover): an `io::Error` carries rustls' error as its inner error, which `source()` skips.
+fn causes(error: &(dyn std::error::Error + 'static)) -> (String, bool) {
+    let (mut parts, mut tls) = (Vec::new(), false);
+    let mut next = Some(error);
+    while let Some(e) = next {
+        tls |= e.downcast_ref::<rustls::Error>().is_some();
+        let text = e.to_string();
+        if !parts.iter().any(|p: &String| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = match (e.downcast_ref::<std::io::Error>()).and_then(|io| io.get_ref()) {
+            Some(inner) => Some(inner as _),
+            None => e.source(),
+        };
+    }
+    (parts.join(": "), tls)
+}
+
 /// `AWS_CA_BUNDLE` (else `SSL_CERT_FILE`): PEM certificates trusted beside Mozilla's roots.
 fn extra_roots() -> Result<Vec<CertificateDer<'static>>, String> {
     let Ok(path) = std::env::var("AWS_CA_BUNDLE").or_else(|_| std::env::var("SSL_CERT_FILE"))
@@ -229,11 +249,16 @@ impl Hyper {
                 .await
                 .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
                 .map_err(|e| {
-                    let kind = match e.is_connect() {
-                        true => HttpErrorKind::Connect,
-                        false => HttpErrorKind::Request,
+                    let (causes, tls) = causes(&e);
+                    let kind = match (tls, e.is_connect()) {
+                        // The same certificate fails the same way on every try: not retried.
+                        (true, _) => HttpErrorKind::Unknown,
+                        (false, true) => HttpErrorKind::Connect,
+                        (false, false) => HttpErrorKind::Request,
                     };
-                    HttpError::new(kind, e)
+                    let at = crate::redact::redact(&uri.to_string()).into_owned();
+                    let what = if tls { "TLS failed" } else { "request failed" };
+                    HttpError::new(kind, Message(format!("{at}: {what}: {causes}")))
                 })?;
             let location = response.headers().get(http::header::LOCATION);
             let (true, true, Some(location)) =

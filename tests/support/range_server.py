@@ -76,7 +76,28 @@ class RangeServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        if self.handshakes is not None:
+            return f"https://localhost:{self.server_address[1]}"
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    #: TLS handshakes begun (ClientHellos seen), once :meth:`tls` has been called.
+    handshakes: Optional[int] = None
+
+    def tls(self, cert: str, key: str) -> "RangeServer":
+        """Serves HTTPS (as ``localhost``) with the certificate ``cert``, counting handshakes."""
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        self.handshakes = 0
+
+        def hello(*_: object) -> None:
+            with self.lock:
+                self.handshakes = (self.handshakes or 0) + 1
+
+        ctx.sni_callback = hello
+        self.socket = ctx.wrap_socket(self.socket, server_side=True)
+        return self
 
     def start(self) -> "RangeServer":
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
