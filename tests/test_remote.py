@@ -453,6 +453,18 @@ def test_a_certificate_the_roots_do_not_trust_is_named_and_not_retried(mixed, ro
         server.stop()
 
 
+def test_retry_after_is_waited_for(http, mixed):
+    """A 503 with Retry-After: the next try waits that long (object_store's own backoff is about
+    0.1 s) and the load then succeeds. Only a lower bound on the wait is checked."""
+    path, ref = mixed
+    http.reset()
+    http.busy, http.busy_for = 2, 1
+    _assert_same(safeload.torch.load_file(f"{http.url}/models/mixed.safetensors"), ref)
+    statuses = [r[3] for r in http.requests]
+    assert statuses[:2] == [503, 503] and 503 not in statuses[2:], statuses
+    assert http.started[1] - http.started[0] >= 1.0 and http.started[2] - http.started[1] >= 1.0, http.started[:3]
+
+
 def test_allow_http_false_refuses_plain_http(http, mixed, root):
     """object_store's allow_http=false: no request goes to an http:// URL; not given, or true,
     an http:// URL is read; fsspec's use_ssl=True refuses nothing."""

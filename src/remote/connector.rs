@@ -147,6 +147,26 @@ impl HttpConnector for Connector {
     }
 }
 
+/// The longest `Retry-After` waited for.
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(30);
+
+/// How long a `429 Too Many Requests` or `503 Service Unavailable` asks the client to wait before
+/// its next try: `Retry-After` in seconds (an HTTP date is not read), at most
+/// [`RETRY_AFTER_MAX`].
+fn retry_after(status: StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
+    if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
+        return None;
+    }
+    let seconds: u64 = headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(Duration::from_secs(seconds).min(RETRY_AFTER_MAX))
+}
+
 /// Every cause of a client error, outermost first (hyper's own message says only "client error
 /// (Connect)"), and whether one is TLS's (an untrusted or expired certificate, a name it does
 /// not cover): an `io::Error` carries rustls' error as its inner error, which `source()` skips.
@@ -209,6 +229,10 @@ impl HttpService for Hyper {
         let ranged = req.headers().contains_key(RANGE);
         let stall = self.waits.stall;
         let response = self.follow(req).await?;
+        if let Some(wait) = retry_after(response.status(), response.headers()) {
+            // object_store retries a 429 / 503 after its own backoff, which then follows this.
+            tokio::time::sleep(wait).await;
+        }
         let (mut parts, body) = response.into_parts();
         if ranged && parts.status == StatusCode::OK && parts.headers.contains_key(CONTENT_RANGE) {
             parts.status = StatusCode::PARTIAL_CONTENT;

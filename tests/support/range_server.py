@@ -18,6 +18,7 @@ deterministic:
 - ``error_body``: with ``status``, the error response's body has this many bytes;
 - ``require_query``: a request whose query string is not exactly this is answered 403 (a
   presigned URL's signature, a token);
+- ``busy``: the next this many requests are answered 503 with ``Retry-After: busy_for`` seconds;
 - ``redirect_to``: every request is answered 302 to this prefix + its path and query (``"self"``:
   to this server's own URL, a loop), as the Hub's ``resolve`` answers with its storage's URL.
 
@@ -39,6 +40,7 @@ import os
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional, Tuple
 
@@ -67,6 +69,8 @@ class RangeServer(ThreadingHTTPServer):
         self.error_body = 0
         self.require_query: Optional[str] = None
         self.redirect_to: Optional[str] = None
+        self.busy, self.busy_for = 0, 1
+        self.started: List[float] = []  # time.monotonic() as each request came in
         self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
         self.authorizations: List[Optional[str]] = []
@@ -115,8 +119,8 @@ class RangeServer(ThreadingHTTPServer):
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
             self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
-            self.redirect_to = None
-            self.requests, self.gets, self.authorizations = [], 0, []
+            self.redirect_to, self.busy, self.busy_for = None, 0, 1
+            self.requests, self.gets, self.authorizations, self.started = [], 0, [], []
             self.released.set()
             self.released = threading.Event()
 
@@ -152,6 +156,12 @@ class _Handler(BaseHTTPRequestHandler):
             ignore_range, fail_mode = srv.ignore_range, srv.fail_mode
             stall_after, overlong, error_body, released = srv.stall_after, srv.overlong, srv.error_body, srv.released
             require_query, redirect_to = srv.require_query, srv.redirect_to
+            srv.started.append(time.monotonic())
+            busy = srv.busy > 0
+            srv.busy -= busy
+        if busy:
+            self._reply_empty(503, b"slow down", {"Retry-After": str(srv.busy_for)})
+            return self._record("HEAD" if head else "GET", _parse_range(self.headers.get("Range")), 503, 0)
         if latency:
             threading.Event().wait(latency)
         method = "HEAD" if head else "GET"
