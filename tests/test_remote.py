@@ -600,3 +600,20 @@ def test_paths_that_are_not_urls(tmp_path):
     assert torch.equal(safeload.torch.load_checkpoint(str(local))["w"], tensors["w"])
     with pytest.raises(FileNotFoundError):
         safeload.safe_open(str(tmp_path / "missing.safetensors"), "pt")
+
+
+def test_a_signed_s3_request_redirected_to_another_host_loses_its_authorization(http, mixed, root):
+    """An S3 endpoint (SigV4-signed requests) that redirects to another host: the target never
+    sees the Authorization header, and the tensors come from it."""
+    path, ref = mixed
+    storage = RangeServer(root).start()
+    try:
+        http.redirect_to = storage.url.replace("127.0.0.1", "localhost")
+        options = {"endpoint_url": http.url, "key": KEY, "secret": SECRET, "region_name": "us-east-1",
+                   "allow_http": "true"}
+        _assert_same(safeload.torch.load_file("s3://models/mixed.safetensors", storage_options=options), ref)
+        signed = [a for a in http.authorizations if a]
+        assert signed and all(a.startswith("AWS4-HMAC-SHA256") for a in signed)  # the endpoint got signatures
+        assert storage.requests and storage.authorizations == [None] * len(storage.requests)
+    finally:
+        storage.stop()
