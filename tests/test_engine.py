@@ -185,15 +185,18 @@ except KeyboardInterrupt:
 def test_ctrl_c_interrupts_load(tmp_path):
     path = tmp_path / "big.safetensors"
     st.save_file({"w": torch.zeros(256 << 20, dtype=torch.uint8)}, path)
-    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CTRL_C_SCRIPT, str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     # 1000 loads of 256 MiB take minutes: only the interrupt ends them. How promptly, and in
     # the middle of a read, is pinned without timing in test_robustness (reads held at a mount).
-    assert out.split()[0] == "interrupted"
+    # (Once in CI, session 32, the child printed nothing after "ready"; what it said and how it
+    # ended go with any failure.)
+    assert out.split()[:1] == ["interrupted"], (proc.returncode, out, err[-2000:])
