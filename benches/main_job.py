@@ -78,8 +78,8 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _measure(contender: str, state: str, files: List[str], model_dir: str,
-             from_pretrained: Callable[[], Any], threads: int) -> Dict[str, Any]:
+def _measure(contender: str, state: str, files: List[str], from_pretrained: Callable[[], Any],
+             threads: int) -> Dict[str, Any]:
     """One timed load in this (forked) process."""
     out: Dict[str, Any] = {}
     if contender == "fp_patch":
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
             if args.settle > 0:
                 time.sleep(args.settle)
             bar.set_postfix_str(f"{state} r{rnd} {contender}")
-            res = in_child(functools.partial(_measure, contender, state, files, model_dir, from_pretrained, threads))
+            res = in_child(functools.partial(_measure, contender, state, files, from_pretrained, threads))
             res.update(state=state, round=rnd, contender=contender)
             if "error" in res:
                 tqdm.tqdm.write(f"{state} r{rnd} {contender}: {res['error']}", file=sys.stderr)

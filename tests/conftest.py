@@ -243,8 +243,8 @@ def fake_cuda(monkeypatch):
 def _rank_then_exit(rank: int, worker: Any, *args: Any) -> None:
     """A spawned rank: ``worker(rank, *args)``, then out of the process at once. Once its group
     is destroyed, a rank that went on into interpreter shutdown has been seen to abort in gloo's
-    C++ teardown ("terminate called without an active exception", SIGABRT, about one full test
-    run in five with torch 2.15), after its result was written; that teardown is not what the
+    C++ teardown ("terminate called without an active exception", SIGABRT, once in a few full
+    test runs with torch 2.15), after its result was written; that teardown is not what the
     tests check. A worker that raises still fails the rank (spawn reports it)."""
     worker(rank, *args)
     sys.stdout.flush()

@@ -71,6 +71,7 @@ class RangeServer(ThreadingHTTPServer):
         self.redirect_to: Optional[str] = None
         self.busy, self.busy_for = 0, 1
         self.started: List[float] = []  # time.monotonic() as each request came in
+        self.handshakes: Optional[int] = None  # TLS handshakes begun, once tls() was called
         self.released = threading.Event()  # set to let stalled responses go
         self.requests: List[Record] = []
         self.authorizations: List[Optional[str]] = []
@@ -83,9 +84,6 @@ class RangeServer(ThreadingHTTPServer):
         if self.handshakes is not None:
             return f"https://localhost:{self.server_address[1]}"
         return f"http://127.0.0.1:{self.server_address[1]}"
-
-    #: TLS handshakes begun (ClientHellos seen), once :meth:`tls` has been called.
-    handshakes: Optional[int] = None
 
     def tls(self, cert: str, key: str) -> "RangeServer":
         """Serves HTTPS (as ``localhost``) with the certificate ``cert``, counting handshakes."""
@@ -159,14 +157,14 @@ class _Handler(BaseHTTPRequestHandler):
             srv.started.append(time.monotonic())
             busy = srv.busy > 0
             srv.busy -= busy
-        if busy:
-            self._reply_empty(503, b"slow down", {"Retry-After": str(srv.busy_for)})
-            return self._record("HEAD" if head else "GET", _parse_range(self.headers.get("Range")), 503, 0)
         if latency:
             threading.Event().wait(latency)
         method = "HEAD" if head else "GET"
         path = os.path.join(srv.root, self.path.lstrip("/").split("?")[0])
         wanted = _parse_range(self.headers.get("Range"))
+        if busy:
+            self._reply_empty(503, b"slow down", {"Retry-After": str(srv.busy_for)})
+            return self._record(method, wanted, 503, 0)
         if status is not None or (fail and fail_mode == "status"):
             code = status if status is not None else 500
             body = f"injected {code}".encode() + b"x" * error_body
