@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch as st_torch
 import torch
 from conftest import assert_tensor_equal, make_tensor
+from proxy_server import ProxyServer
 from range_server import RangeServer
 from s3_server import KEY, SECRET, S3Server, rclone
 
@@ -62,6 +63,25 @@ def _write_sharded(folder: str) -> Dict[str, torch.Tensor]:
 
 
 # -- servers -------------------------------------------------------------------------------------
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY",
+                   "no_proxy")
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_from_outside(monkeypatch):
+    """The servers are on loopback: a proxy the machine's environment names is not used here
+    (the proxy tests set their own)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def proxy():
+    server = ProxyServer().start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -477,6 +497,109 @@ def test_allow_http_false_refuses_plain_http(http, mixed, root):
     assert len(http.requests) == before  # refused before anything was sent
     for options in (None, {"allow_http": "true"}, {"use_ssl": True}, {"use_ssl": False}):
         _assert_same(safeload.torch.load_file(url, storage_options=options), ref)
+
+
+def test_retry_after_as_an_http_date_is_waited_for(http, mixed):
+    """Retry-After may be an HTTP date (RFC 9110): two seconds ahead, whole seconds, so the next
+    try comes at least one second later."""
+    import email.utils
+    import time
+
+    path, ref = mixed
+    http.busy, http.busy_for = 1, email.utils.formatdate(time.time() + 2, usegmt=True)
+    _assert_same(safeload.torch.load_file(f"{http.url}/models/mixed.safetensors"), ref)
+    statuses = [r[3] for r in http.requests]
+    assert statuses[0] == 503 and 503 not in statuses[1:], statuses
+    assert http.started[1] - http.started[0] >= 1.0, http.started[:2]
+
+
+@pytest.fixture
+def tls_server(root, tmp_path):
+    """An HTTPS range server (as localhost) with a self-signed certificate; yields it and the
+    certificate's path."""
+    cert, key = _self_signed(tmp_path)
+    server = RangeServer(root).tls(cert, key).start()
+    yield server, cert
+    server.stop()
+
+
+def test_an_https_host_is_reached_through_the_proxy_environment_names(tls_server, proxy, mixed, monkeypatch):
+    """HTTPS_PROXY: a CONNECT tunnel to the host, TLS inside it (the certificate checked against
+    AWS_CA_BUNDLE as without a proxy); NO_PROXY naming the host: straight to it (the proxy is
+    stopped by then: the client's pool may still finish a connect it began in the first load)."""
+    path, ref = mixed
+    server, cert = tls_server
+    monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+    monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+    url = f"{server.url}/models/mixed.safetensors"
+    _assert_same(safeload.torch.load_file(url), ref)
+    port = server.server_address[1]
+    assert proxy.requests and {r[:2] for r in proxy.requests} == {("CONNECT", f"localhost:{port}")}, proxy.requests
+    assert [r for r in server.requests if r[0] == "GET" and r[3] == 206]  # the ranges came through it
+    proxy.stop()  # now a connection to it is refused: only a direct one can load
+    monkeypatch.setenv("NO_PROXY", "localhost")
+    _assert_same(safeload.torch.load_file(url), ref)
+
+
+def test_plain_http_is_forwarded_by_the_proxy_with_its_credentials(http, proxy, mixed, monkeypatch):
+    """HTTP_PROXY with user:password: each request goes to the proxy in absolute form with
+    Proxy-Authorization (never to the host); wrong credentials: the proxy's 407 as a clear error
+    that does not show the password."""
+    path, ref = mixed
+    proxy.credentials = "alice:s3cret"
+    monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://alice:s3cret@"))
+    url = f"{http.url}/models/mixed.safetensors"
+    _assert_same(safeload.torch.load_file(url), ref)
+    gets = [r for r in proxy.requests if r[0] == "GET"]
+    assert gets and {r[1] for r in gets} == {url}, proxy.requests
+    assert {r[2] for r in proxy.requests} == {"Basic YWxpY2U6czNjcmV0"}  # base64("alice:s3cret")
+    assert http.requests and set(http.authorizations) == {None}  # the proxy's credentials stay with it
+    monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://alice:wrong@"))
+    with pytest.raises(safeload.SafetensorError) as e:
+        safeload.torch.load_file(url)
+    assert "407" in str(e.value) and "wrong" not in str(e.value), str(e.value)
+
+
+def test_proxy_url_in_storage_options_and_its_excludes(http, proxy, mixed):
+    """object_store's client options: proxy_url routes the store's requests through it (with no
+    proxy in the environment), proxy_excludes names hosts that go direct."""
+    path, ref = mixed
+    url = f"{http.url}/models/mixed.safetensors"
+    _assert_same(safeload.torch.load_file(url, storage_options={"proxy_url": proxy.url}), ref)
+    assert {r[1] for r in proxy.requests if r[0] == "GET"} == {url}
+    options = {"proxy_url": proxy.url, "proxy_excludes": "127.0.0.1"}
+    proxy.stop()  # now a connection to it is refused: only a direct one can load
+    _assert_same(safeload.torch.load_file(url, storage_options=options), ref)
+
+
+@pytest.mark.parametrize("setting", ["HTTPS_PROXY=socks5://u:hunter2@127.0.0.1:1080",
+                                     "proxy_url=https://u:hunter2@127.0.0.1:3128"])
+def test_a_proxy_that_is_not_http_is_refused_not_bypassed(http, mixed, setting, monkeypatch):
+    """Only http:// proxies are used; any other (socks5://, https://) fails the open with a
+    message naming the setting, never silently a direct connection, and without its password."""
+    name, value = setting.split("=", 1)
+    options = None
+    if name == "proxy_url":
+        options = {name: value}
+    else:
+        monkeypatch.setenv(name, value)
+    before = len(http.requests)
+    with pytest.raises(safeload.SafetensorError) as e:
+        safeload.torch.load_file(f"{http.url}/models/mixed.safetensors", storage_options=options)
+    message = str(e.value)
+    assert f"{name}=" in message and "proxies are not supported" in message and "hunter2" not in message, message
+    assert len(http.requests) == before
+
+
+def test_allow_invalid_certificates_accepts_an_untrusted_certificate(tls_server, mixed):
+    """The client option allow_invalid_certificates=true: a certificate no root vouches for is
+    taken (the handshake still has to succeed); without it the same URL fails as untrusted."""
+    path, ref = mixed
+    server, _ = tls_server
+    url = f"{server.url}/models/mixed.safetensors"
+    with pytest.raises(safeload.SafetensorError, match="TLS failed"):
+        safeload.torch.load_file(url)
+    _assert_same(safeload.torch.load_file(url, storage_options={"allow_invalid_certificates": "true"}), ref)
 
 
 def test_hf_urls_read_from_the_hubs_resolve_endpoint_with_the_token(http, root, monkeypatch):

@@ -11,6 +11,8 @@
 //! environment): `connect_timeout` (default 10 s), `timeout` for the response headers (30 s), and
 //! `read_timeout` for each piece of any body (30 s without a byte is an error). An error response's
 //! body (which `object_store` reads into its message) is cut to [`ERROR_BODY_BYTES`].
+//!
+//! Connections go through the proxies of `proxy` (`HTTPS_PROXY`, `proxy_url`, ...); TLS is `tls`'s.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,8 +32,8 @@ use object_store::client::{
     HttpResponse, HttpResponseBody, HttpService,
 };
 use object_store::{ClientConfigKey, ClientOptions};
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
+
+use super::proxy::{Proxies, Route};
 
 /// A connection that does not open within this is a failed request (retried).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -103,29 +105,21 @@ impl HttpConnector for Connector {
         };
         let connect_timeout =
             duration(options, ClientConfigKey::ConnectTimeout, CONNECT_TIMEOUT).map_err(generic)?;
-        let mut roots = rustls::RootCertStore {
-            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-        };
-        for cert in extra_roots().map_err(generic)? {
-            roots
-                .add(cert)
-                .map_err(|e| generic(format!("CA bundle: {e}")))?;
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| generic(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let tls = super::tls::config(options).map_err(generic)?;
+        let proxies = Arc::new(Proxies::new(options).map_err(generic)?);
         let mut tcp = Tcp::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);
         tcp.set_connect_timeout(Some(connect_timeout));
+        let route = Route {
+            tcp,
+            proxies: proxies.clone(),
+        };
         let https = HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(tcp);
+            .wrap_connector(route);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
@@ -142,6 +136,7 @@ impl HttpConnector for Connector {
             waits,
             query: self.query.clone(),
             authorization,
+            proxies,
         };
         Ok(HttpClient::new(client))
     }
@@ -151,20 +146,23 @@ impl HttpConnector for Connector {
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(30);
 
 /// How long a `429 Too Many Requests` or `503 Service Unavailable` asks the client to wait before
-/// its next try: `Retry-After` in seconds (an HTTP date is not read), at most
-/// [`RETRY_AFTER_MAX`].
+/// its next try: `Retry-After` in seconds or as an HTTP date, at most [`RETRY_AFTER_MAX`].
 fn retry_after(status: StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
     if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
         return None;
     }
-    let seconds: u64 = headers
+    let text = headers
         .get(http::header::RETRY_AFTER)?
         .to_str()
         .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(Duration::from_secs(seconds).min(RETRY_AFTER_MAX))
+        .trim();
+    let wait = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => (httpdate::parse_http_date(text).ok()?)
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    };
+    Some(wait.min(RETRY_AFTER_MAX))
 }
 
 /// Every cause of a client error, outermost first (hyper's own message says only "client error
@@ -187,26 +185,17 @@ fn causes(error: &(dyn std::error::Error + 'static)) -> (String, bool) {
     (parts.join(": "), tls)
 }
 
-/// `AWS_CA_BUNDLE` (else `SSL_CERT_FILE`): PEM certificates trusted beside Mozilla's roots.
-fn extra_roots() -> Result<Vec<CertificateDer<'static>>, String> {
-    let Ok(path) = std::env::var("AWS_CA_BUNDLE").or_else(|_| std::env::var("SSL_CERT_FILE"))
-    else {
-        return Ok(Vec::new());
-    };
-    CertificateDer::pem_file_iter(&path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("CA bundle {path}: {e}"))
-}
-
 /// The HTTP client every store request goes through.
 #[derive(Debug)]
 struct Hyper {
-    client: Client<HttpsConnector<Tcp>, HttpRequestBody>,
+    client: Client<HttpsConnector<Route>, HttpRequestBody>,
     waits: Waits,
     /// The URL's query string, appended to every request (presigned and SAS URLs).
     query: Option<String>,
     /// Sent to the URL's own host only (see [`Hyper::follow`]).
     authorization: Option<http::HeaderValue>,
+    /// The proxies its connections go through (and the credentials of each).
+    proxies: Arc<Proxies>,
 }
 
 #[async_trait]
@@ -262,7 +251,12 @@ impl Hyper {
         let (mut headers, mut uri) = (req.headers().clone(), req.uri().clone());
         let mut next = Some(req);
         for hop in 0..=MAX_REDIRECTS {
-            let request = next.take().expect("set for every hop");
+            let mut request = next.take().expect("set for every hop");
+            if let Some(value) = self.proxies.authorization(&uri) {
+                request
+                    .headers_mut()
+                    .insert(http::header::PROXY_AUTHORIZATION, value);
+            }
             if uri.scheme_str() == Some("http") && self.waits.refuse_http {
                 return Err(refuse(format!(
                     "{}: plain http is refused: storage_options has allow_http=false",

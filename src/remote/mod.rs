@@ -2,7 +2,7 @@
 //! [`crate::source::Source`] reads from: ranged GETs through Apache Arrow's `object_store`.
 //!
 //! Here: which paths are URLs (always built, so a build without the `remote` feature can say so);
-//! the stores and their runtime in `store` (AWS's shared profile files: `profile`), their HTTP client in `connector`, one object's reads (retries, resumes) in `object`,
+//! the stores and their runtime in `store` (AWS's shared profile files: `profile`), their HTTP client in `connector` (its proxies: `proxy`; its TLS: `tls`), one object's reads (retries, resumes) in `object`,
 //! checkpoints named by URL (index.json, "directory" listings) in `listing`.
 
 use std::path::Path;
@@ -16,7 +16,11 @@ mod object;
 #[cfg(feature = "remote")]
 mod profile;
 #[cfg(feature = "remote")]
+mod proxy;
+#[cfg(feature = "remote")]
 mod store;
+#[cfg(feature = "remote")]
+mod tls;
 
 #[cfg(feature = "remote")]
 pub use listing::checkpoint_urls;

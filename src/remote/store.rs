@@ -139,7 +139,7 @@ fn hub_token() -> Option<String> {
 }
 
 /// What the environment configures for stores of a scheme, read once per open: its variables
-/// (`AWS_*`, `GOOGLE_*`, `AZURE_*`, the CA bundle) and, for S3, the settings of the AWS profile
+/// (`AWS_*`, `GOOGLE_*`, `AZURE_*`, the CA bundle, the proxies) and, for S3, the settings of the AWS profile
 /// files (an error where `AWS_PROFILE` names a profile they lack).
 struct Environment {
     vars: Pairs,
@@ -158,6 +158,7 @@ impl Environment {
             .filter(|(k, _)| {
                 k == "SSL_CERT_FILE"
                     || k == "AWS_CA_BUNDLE"
+                    || super::proxy::VARIABLES.contains(&k.as_str())
                     || prefixes.iter().any(|p| k.starts_with(p))
             })
             .collect();
@@ -273,7 +274,7 @@ fn retry() -> RetryConfig {
     }
 }
 
-fn is_true(value: &str) -> bool {
+pub(super) fn is_true(value: &str) -> bool {
     matches!(value.to_ascii_lowercase().as_str(), "1" | "true" | "yes")
 }
 
