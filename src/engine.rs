@@ -20,7 +20,7 @@ use crate::strategy::Strategy;
 
 /// How often the waiting thread calls `poll`.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
-/// Below this many bytes a plan is read on the calling thread.
+/// Below this many bytes a plan of files is read on the calling thread.
 const INLINE_BYTES: u64 = 4 << 20;
 
 /// A file (or an object in a store) the plan reads from.
@@ -331,7 +331,10 @@ pub fn execute(
     };
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    if threads == 1 || plan.total_bytes() < INLINE_BYTES {
+    // A request to a store may wait long (a stalled server): it always runs on a worker, while
+    // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
+    let remote = inputs.iter().any(|i| i.backing.is_remote());
+    if !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES) {
         let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
         for chunk in &plan.chunks {
             if poll() {

@@ -11,6 +11,7 @@
 
 mod backing;
 mod buffer;
+mod cancel;
 mod checkpoint;
 mod convert;
 mod dtype;

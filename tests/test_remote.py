@@ -378,6 +378,126 @@ def test_a_stalled_server_fails_the_open_and_the_read_within_its_read_timeout(ht
         safeload.safe_open(url, "pt", storage_options={"read_timeout": "soon"})
 
 
+CTRL_C_CHILD = r"""
+import signal, sys, time
+import safeload, safeload.torch
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may inherit SIGINT ignored
+phase, url = sys.argv[1], sys.argv[2]
+options = {"timeout": "300s", "read_timeout": "300s"}  # no wait ends on its own before the test gives up
+try:
+    if phase == "index":
+        safeload.torch.load_checkpoint(url, storage_options=options)
+    elif phase in ("open", "no answer", "retry back-off"):
+        safeload.safe_open(url, "pt", storage_options=options)
+    else:
+        with safeload.safe_open(url, "pt", backend="pread", chunk_bytes=1 << 20, storage_options=options) as f:
+            print("opened", flush=True)
+            sys.stdin.readline()  # the server misbehaves from here on
+            {"tensor": lambda: f.get_tensor("w"), "small tensor": lambda: f.get_tensor("b"),
+             "slice": lambda: f.get_slice("w")[:, :8]}[phase]()
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic(), flush=True)
+"""
+
+
+def _silent_server():
+    """A listening socket that takes each request and never answers; (url, an Event set once a
+    request has arrived, a stop function)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    arrived, held = threading.Event(), []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            arrived.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def stop():
+        listener.close()
+        for conn in held:
+            conn.close()
+
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/m.safetensors", arrived, stop
+
+
+def _until(condition, what: str) -> None:
+    """Waits for ``condition()`` (a state of the server, not a duration); fails after a minute."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("phase", ["open", "no answer", "index", "retry back-off", "tensor", "small tensor",
+                                   "slice"])
+def test_ctrl_c_stops_every_wait_on_a_server(http, big, root, phase):
+    """SIGINT while the server holds a request (headers sent and the body stalled, no answer at
+    all, 503 with a long Retry-After) raises KeyboardInterrupt in the opening or reading call,
+    in every phase: the header read at open, an index fetch, a retry's wait, a tensor read by
+    the engine's workers or inline, a slice's rows. Every wait here is 300 s, so only the
+    interrupt can end it within the minute the test waits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = f"{http.url}/models/big.safetensors"
+    stop_silent = None
+    if phase == "index":
+        _write_sharded(os.path.join(root, "ctrl-c"))
+        url = f"{http.url}/ctrl-c/model.safetensors.index.json"
+    if phase == "no answer":
+        url, arrived, stop_silent = _silent_server()
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CTRL_C_CHILD, phase, url],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if phase in ("open", "index"):
+            http.stall_after = 16
+        elif phase == "retry back-off":
+            http.busy, http.busy_for = 10**6, 300
+        elif phase != "no answer":
+            assert proc.stdout.readline().strip() == "opened"
+            http.stall_after = 16
+            before = len(http.requests)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        if phase == "no answer":
+            _until(arrived.is_set, "a request reached the silent server")
+        else:
+            seen = before if phase in ("tensor", "small tensor", "slice") else 0
+            _until(lambda: len(http.requests) > seen, f"a request in phase {phase}")
+        time.sleep(0.2)  # let the child settle in its wait (the outcome does not depend on it)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if stop_silent:
+            stop_silent()
+    words = out.split()
+    assert "interrupted" in words, (phase, proc.returncode, out, err[-3000:])
+    print(f"{phase}: KeyboardInterrupt {float(words[words.index('interrupted') + 1]) - sent:.3f} s after SIGINT")
+
+
 def test_bodies_are_bounded_whatever_the_server_sends(http, big, root):
     """The header probe takes at most the bytes it asked for, an index at most 64 MiB, an error
     body a few KiB (and the message a few hundred characters of it)."""

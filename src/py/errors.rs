@@ -76,28 +76,41 @@ fn to_py(err: Error) -> PyErr {
     }
 }
 
-/// Runs `f` with the GIL released, giving it a `poll` that checks for Ctrl-C. A pending signal's
-/// exception (KeyboardInterrupt) is what the caller gets back if the read was cancelled; a panic
-/// in `f` (or a worker it joined) is a `SafetensorError`.
+/// Runs `f` with the GIL released, giving it a `poll` that checks for Ctrl-C (also installed for
+/// the waits `f` blocks in on this thread: [`crate::cancel`]). A pending signal's exception
+/// (KeyboardInterrupt) is what the caller gets back if it arrived during the call, whatever `f`
+/// made of the stop (a cancelled read, a request cut off); a panic in `f` (or a worker it joined)
+/// is a `SafetensorError`.
 pub fn detached<T: Send>(
     py: Python<'_>,
     f: impl FnOnce(&mut dyn FnMut() -> bool) -> crate::error::Result<T> + Send,
 ) -> PyResult<T> {
-    let mut signal: Option<PyErr> = None;
     let result = py.detach(|| {
-        let mut poll = || match Python::attach(|py| py.check_signals()) {
-            Ok(()) => false,
-            Err(e) => {
-                signal = Some(e);
-                true
-            }
-        };
-        crate::error::catch_panic("a read", || f(&mut poll))
+        crate::cancel::with_poll(signalled, || {
+            let mut poll = signalled;
+            crate::error::catch_panic("a read", || f(&mut poll))
+        })
     });
-    match (result, signal) {
+    match (result, PENDING.with(|p| p.take())) {
+        (_, Some(signal)) => Err(signal),
         (Ok(value), None) => Ok(value),
-        (Ok(_), Some(e)) => Err(e),
-        (Err(Error::Cancelled), Some(e)) => Err(e),
-        (Err(e), _) => Err(e.into()),
+        (Err(e), None) => Err(e.into()),
+    }
+}
+
+thread_local! {
+    /// The exception a signal handler raised during [`detached`]'s call on this thread.
+    static PENDING: std::cell::Cell<Option<PyErr>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs Python's signal handlers (with the GIL, briefly); true when one raised (Ctrl-C), its
+/// exception kept for [`detached`] to raise.
+fn signalled() -> bool {
+    match Python::attach(|py| py.check_signals()) {
+        Ok(()) => false,
+        Err(e) => {
+            PENDING.with(|p| p.set(Some(e)));
+            true
+        }
     }
 }

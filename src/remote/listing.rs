@@ -9,7 +9,7 @@ use futures_util::TryStreamExt;
 use object_store::ObjectStore;
 use object_store::path::Path as ObjectPath;
 
-use super::object::{Object, to_io};
+use super::object::{self, Object, to_io};
 use super::{Options, store};
 use crate::error::{Error, Result};
 use crate::shards::{self, Place};
@@ -50,9 +50,12 @@ impl Place for Store<'_> {
         }
         let (store, prefix) =
             store::locate(&url, self.options).map_err(|e| Error::remote(at, e))?;
-        store::runtime()
-            .block_on(list(store.as_ref(), &prefix))
-            .map_err(|e| Error::remote(at, to_io(&url, e)))
+        let listed = async {
+            list(store.as_ref(), &prefix)
+                .await
+                .map_err(|e| to_io(&url, e))
+        };
+        object::wait(None, listed).map_err(|e| Error::remote(at, e))
     }
 
     fn is_index(&self, at: &Path) -> bool {

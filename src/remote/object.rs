@@ -1,13 +1,16 @@
 //! One object in a store: its size and a prefix from one ranged GET at open, then ranged GETs
 //! straight into the caller's memory, retried from the byte where a failed or stalled response
-//! stopped. Every call blocks on the crate's runtime (the engine's workers are plain threads).
+//! stopped. Every call blocks on the crate's runtime (the engine's workers are plain threads) in
+//! [`wait`], which ends it when the caller stops the read or presses Ctrl-C.
 
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures_util::StreamExt;
+use futures_util::future::Either;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
@@ -20,6 +23,8 @@ pub const INDEX_BYTES: usize = 64 << 20;
 /// Attempts at one range: `object_store` retries requests and resumes bodies itself (where the
 /// server sends an ETag); one more request from the first missing byte covers the rest.
 const ATTEMPTS: usize = 2;
+/// How often a wait looks at its stop flag and at the caller's poll ([`crate::cancel`]).
+const STOP_CHECK: Duration = Duration::from_millis(50);
 
 pub struct Object {
     store: Arc<dyn ObjectStore>,
@@ -79,7 +84,7 @@ impl Object {
             range: Some(GetRange::Bounded(0..PROBE_BYTES)),
             ..GetOptions::default()
         };
-        let result = store::runtime().block_on(async {
+        let result = wait(None, async {
             let got = store
                 .get_opts(&location, get)
                 .await
@@ -152,14 +157,11 @@ impl Object {
     ) -> io::Result<()> {
         let want = range.end - range.start;
         let get = self.version.ask(range);
-        store::runtime().block_on(async {
+        wait(Some(stop), async {
             let got = self.store.get_opts(&self.location, get).await;
             let mut body = got.map_err(|e| self.error(e))?.into_stream();
             let mut received = 0u64;
             while let Some(frame) = body.next().await {
-                if stop.load(Ordering::Relaxed) {
-                    return Err(io::Error::new(io::ErrorKind::Interrupted, "cancelled"));
-                }
                 let bytes = frame.map_err(|e| self.error(e))?;
                 if received + bytes.len() as u64 > want {
                     return Err(range_error(
@@ -188,11 +190,13 @@ impl Object {
     /// Whether `url` names an object (a HEAD request; a missing one is `false`).
     pub fn exists(url: &str, options: &Options) -> io::Result<bool> {
         let (store, location) = store::locate(url, options)?;
-        match store::runtime().block_on(store.head(&location)) {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::NotFound { .. }) => Ok(false),
-            Err(e) => Err(to_io(url, e)),
-        }
+        wait(None, async {
+            match store.head(&location).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(to_io(url, e)),
+            }
+        })
     }
 
     /// The store's error for a read of this object: a version that is gone is its own error.
@@ -214,7 +218,7 @@ impl Object {
     /// The whole of a small object (an index.json): at most [`INDEX_BYTES`].
     pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
         let (store, location) = store::locate(url, options)?;
-        store::runtime().block_on(async {
+        wait(None, async {
             let got = (store.get_opts(&location, GetOptions::default()).await)
                 .map_err(|e| to_io(url, e))?;
             collect(got.into_stream(), url, INDEX_BYTES, || {
@@ -229,6 +233,36 @@ impl Object {
             .await
         })
     }
+}
+
+/// Runs `work` on the crate's runtime to its end, unless `stop` is set or the caller's poll asks
+/// to stop first (looked at every [`STOP_CHECK`], whatever `work` waits on: a connect, a response,
+/// a body, a retry's back-off): then an `Interrupted` error, and `work` is dropped, its requests
+/// with it.
+pub(super) fn wait<T>(
+    stop: Option<&AtomicBool>,
+    work: impl Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    let stopped = || stop.is_some_and(|s| s.load(Ordering::Relaxed)) || crate::cancel::requested();
+    let cancelled = || io::Error::new(io::ErrorKind::Interrupted, "cancelled");
+    if stopped() {
+        return Err(cancelled());
+    }
+    let watch = async {
+        loop {
+            tokio::time::sleep(STOP_CHECK).await;
+            if stopped() {
+                return;
+            }
+        }
+    };
+    store::runtime().block_on(async {
+        futures_util::pin_mut!(work, watch);
+        match futures_util::future::select(work, watch).await {
+            Either::Left((result, _)) => result,
+            Either::Right(_) => Err(cancelled()),
+        }
+    })
 }
 
 /// A body's bytes, at most `limit` of them: more is `too_long()`'s error, not a larger buffer.
