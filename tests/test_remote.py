@@ -536,6 +536,18 @@ def test_query_strings_are_kept_on_every_request(http, mixed):
     assert "wrong" not in str(e.value) and "403" in str(e.value)
 
 
+def test_a_folder_grant_on_an_index_reaches_its_shards(http, root):
+    """An index URL with a folder-wide grant (an Azure container SAS, a ?token=): its shards,
+    named beside it, are read with the same query."""
+    ref = _write_sharded(os.path.join(root, "granted"))
+    query = "sv=2024-01-01&sr=c&sig=c0ffee"
+    http.require_query = query
+    got = safeload.torch.load_checkpoint(f"{http.url}/granted/model.safetensors.index.json?{query}")
+    _assert_same(got, ref)
+    shards = {p.split("?")[0] for m, p, *_ in http.requests if m == "GET" and "-of-" in p}
+    assert len(shards) == 3
+
+
 def test_redirects_are_followed_as_http_clients_follow_them(http, mixed, root):
     """A 302 to another host (the Hub's resolve URL answers with its storage's signed URL) is
     followed for the header and for every range, with its query; a loop, or a redirect to

@@ -27,7 +27,7 @@ struct Store<'a> {
 
 impl Place for Store<'_> {
     fn is_dir(&self, at: &Path) -> Result<bool> {
-        let url = at.to_string_lossy();
+        let url = path_part(at);
         let http = url.starts_with("http://") || url.starts_with("https://");
         Ok(!(http || url.ends_with(".safetensors") || self.is_index(at)))
     }
@@ -66,22 +66,33 @@ impl Place for Store<'_> {
         Object::fetch_all(&at.to_string_lossy(), self.options).map_err(|e| Error::remote(at, e))
     }
 
+    /// `name` in `dir`, with `dir`'s query (a SAS or `?token=` grant for the folder goes with
+    /// every file in it).
     fn join(&self, dir: &Path, name: &str) -> PathBuf {
-        PathBuf::from(format!("{}/{name}", dir.to_string_lossy()))
+        let (path, query) = split_query(dir);
+        PathBuf::from(format!("{path}/{name}{query}"))
     }
 
+    /// The folder of `at`, with `at`'s query.
     fn parent(&self, at: &Path) -> PathBuf {
-        let url = path_part(at);
-        PathBuf::from(url.rsplit_once('/').map_or(&*url, |(base, _)| base))
+        let (path, query) = split_query(at);
+        let base = path.rsplit_once('/').map_or(&*path, |(base, _)| base);
+        PathBuf::from(format!("{base}{query}"))
     }
 }
 
-/// A URL without its query string (which names no file: a signature, a token).
-fn path_part(at: &Path) -> String {
+/// A URL's path and its query string (with its `?`; empty where there is none): the query names
+/// no file (a signature, a token).
+fn split_query(at: &Path) -> (String, String) {
     let url = at.to_string_lossy();
-    url.split_once('?')
-        .map_or(&*url, |(path, _)| path)
-        .to_string()
+    match url.split_once('?') {
+        Some((path, query)) => (path.to_string(), format!("?{query}")),
+        None => (url.into_owned(), String::new()),
+    }
+}
+
+fn path_part(at: &Path) -> String {
+    split_query(at).0
 }
 
 /// Names directly under `prefix`, sorted.
@@ -117,9 +128,19 @@ mod tests {
         assert!(store.is_dir(dir).unwrap());
         assert!(!store.is_dir(index).unwrap());
         assert!(!store.is_dir(Path::new("https://h/models")).unwrap());
-        // A query names no file: an index with a token is an index, its shards beside it.
+        // A query names no file: an index with a token is an index, its shards beside it,
+        // reached with the same token.
         let signed = Path::new("https://h/m/model.safetensors.index.json?token=t");
         assert!(store.is_index(signed));
-        assert_eq!(store.parent(signed), PathBuf::from("https://h/m"));
+        assert_eq!(store.parent(signed), PathBuf::from("https://h/m?token=t"));
+        assert_eq!(
+            store.join(&store.parent(signed), "m-1.safetensors"),
+            PathBuf::from("https://h/m/m-1.safetensors?token=t")
+        );
+        assert!(
+            !store
+                .is_dir(Path::new("s3://b/m.safetensors?versionId=3"))
+                .unwrap()
+        );
     }
 }
