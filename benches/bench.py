@@ -719,15 +719,16 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def _worker_env() -> Dict[str, str]:
-    """The environment of every worker: the same safeload as this process (its package's parent
-    directory first on PYTHONPATH, found without importing it), no SAFELOAD_BACKEND or _PATCH."""
+def _worker_env(own_safeload: bool = True) -> Dict[str, str]:
+    """The environment of every worker: no SAFELOAD_BACKEND or _PATCH, and with ``own_safeload``
+    the same safeload as this process (its package's parent directory first on PYTHONPATH, found
+    without importing it)."""
     import importlib.util
 
     env = dict(os.environ)
     env.pop("SAFELOAD_BACKEND", None)  # contenders name their backend; "auto" must mean auto
     env.pop("SAFELOAD_PATCH", None)  # safetensors contenders must stay safetensors
-    spec = importlib.util.find_spec("safeload")
+    spec = importlib.util.find_spec("safeload") if own_safeload else None
     if spec is not None and spec.submodule_search_locations:
         pkg_parent = os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
         env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -735,10 +736,12 @@ def _worker_env() -> Dict[str, str]:
 
 
 def run_worker(spec: Dict[str, Any], timeout: float = 1800.0, stderr_through: bool = False,
-               script: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """Runs ``script --worker SPEC`` (this file by default) in a fresh process with ``env``
-    (default :func:`_worker_env`); returns the last JSON line it printed, or ``{"error": ...}``."""
-    cmd = [sys.executable, os.path.abspath(script or __file__), "--worker", json.dumps(spec)]
+               script: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+               python: Optional[str] = None) -> Dict[str, Any]:
+    """Runs ``script --worker SPEC`` (this file by default) in a fresh ``python`` (default: this
+    interpreter) with ``env`` (default :func:`_worker_env`); returns the last JSON line it printed,
+    or ``{"error": ...}``."""
+    cmd = [python or sys.executable, os.path.abspath(script or __file__), "--worker", json.dumps(spec)]
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if stderr_through else subprocess.PIPE,
                            text=True, timeout=timeout, env=env if env is not None else _worker_env())

