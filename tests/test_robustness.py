@@ -378,3 +378,35 @@ def test_disk_full_leaves_no_partial_file(tmp_path):
         assert (mnt / "keep.safetensors").read_bytes() == b"old"
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+@pytest.mark.parametrize("entry", ["get_tensors", "load_checkpoint"])
+def test_bulk_loads_leave_the_garbage_collector_as_they_found_it(tmp_path, entry):
+    """The bulk loads pause Python's cyclic collector while they build their objects: on, off,
+    and after a load that failed (its file shrank while open), it is as the caller left it, and
+    the tensors are 0.8's."""
+    path = str(tmp_path / "many.safetensors")
+    ref = {f"t{i}": torch.arange(i + 1, dtype=torch.float32) for i in range(300)}
+    st.save_file(ref, path)
+
+    def load():
+        if entry == "load_checkpoint":
+            return sl.load_checkpoint(path, backend="pread")
+        with safeload.safe_open(path, "pt", backend="pread") as f:
+            return f.get_tensors()
+
+    assert gc.isenabled()
+    got = load()
+    assert gc.isenabled() and sorted(got) == sorted(ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    gc.disable()
+    try:
+        load()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with safeload.safe_open(path, "pt", backend="pread") as f:
+        os.truncate(path, 4096)
+        with pytest.raises(safeload.SafetensorError):
+            f.get_tensors()
+    assert gc.isenabled()

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code
+from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code, gc_paused
 from ._safeload import Checkpoint, SafetensorError
 
 Progress = Callable[[int, int], None]
@@ -69,9 +69,10 @@ def load_checkpoint(
             for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
                 out[name] = tensor
         else:  # one read (or maps, when "auto" maps)
-            items, _ = ckpt.read(dtype=dtype_code(dtype))
-            for name, code, shape, data in items:
-                out[name] = convert(name, code, shape, data)
+            with gc_paused():
+                items, _ = ckpt.read(dtype=dtype_code(dtype))
+                for name, code, shape, data in items:
+                    out[name] = convert(name, code, shape, data)
         stats = ckpt.stats()
     finally:
         ckpt.close()
