@@ -9,7 +9,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
