@@ -735,15 +735,20 @@ def test_allow_invalid_certificates_accepts_an_untrusted_certificate(tls_server,
 
 
 def test_hf_urls_read_from_the_hubs_resolve_endpoint_with_the_token(http, root, monkeypatch):
-    """hf://ORG/REPO[@REVISION]/FILE (and a repository: its index, else its model.safetensors)
-    read through HF_ENDPOINT's /resolve/, which answers with a redirect to its storage (another
-    host): the token goes to the Hub and not to the storage; the data comes from the storage."""
+    """hf://ORG/REPO[@REVISION]/FILE (and a repository or a folder of one, listed through the Hub
+    API: its index, else its .safetensors files) read through HF_ENDPOINT's /resolve/, which
+    answers with a redirect to its storage (another host): the token goes to the Hub and not to
+    the storage; the data comes from the storage."""
     repo = os.path.join(root, "acme", "tiny")
     main, pinned = os.path.join(repo, "resolve", "main"), os.path.join(repo, "resolve", "v1")
-    os.makedirs(main, exist_ok=True)
+    os.makedirs(os.path.join(main, "unet"), exist_ok=True)
     os.makedirs(pinned, exist_ok=True)
     ref = _write(os.path.join(main, "model.safetensors"), MIXED, seed=5)
     old = _write(os.path.join(pinned, "model.safetensors"), MIXED, seed=6)
+    unet = _write(os.path.join(main, "unet", "diffusion_pytorch_model.safetensors"), MIXED, seed=7)
+    with open(os.path.join(main, "unet", "config.json"), "w") as f:
+        f.write("{}")
+    sharded = _write_sharded(os.path.join(pinned, "text_encoder"))
     storage = RangeServer(root).start()
     try:
         monkeypatch.setenv("HF_ENDPOINT", http.url)
@@ -752,6 +757,11 @@ def test_hf_urls_read_from_the_hubs_resolve_endpoint_with_the_token(http, root, 
         _assert_same(safeload.torch.load_file("hf://acme/tiny/model.safetensors"), ref)
         _assert_same(safeload.torch.load_file("hf://acme/tiny@v1/model.safetensors"), old)
         _assert_same(safeload.torch.load_checkpoint("hf://acme/tiny"), ref)  # the repository
+        _assert_same(safeload.torch.load_checkpoint("hf://acme/tiny/unet"), unet)  # a folder, by its files
+        _assert_same(safeload.torch.load_checkpoint("hf://acme/tiny@v1/text_encoder/"), sharded)  # by its index
+        assert any(p.startswith("/api/models/acme/tiny/tree/main/unet") for _, p, *_ in http.requests)
+        with pytest.raises(FileNotFoundError, match="hf://acme/tiny/none"):
+            safeload.torch.load_checkpoint("hf://acme/tiny/none")
         assert http.authorizations and all(a == "Bearer hf_s3cr3t" for a in http.authorizations)
         assert storage.authorizations and not any(storage.authorizations)  # never forwarded
         assert any(r[3] == 206 for r in storage.requests)

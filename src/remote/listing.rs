@@ -34,19 +34,14 @@ impl Place for Store<'_> {
 
     fn names(&self, at: &Path) -> Result<Vec<String>> {
         let url = at.to_string_lossy();
-        if url.starts_with("hf://") {
-            // A repository (or a folder of one) is what transformers looks for in it: its index,
-            // else its one file (the Hub lists through its API, not through resolve URLs).
-            let mut names = Vec::new();
-            for name in ["model.safetensors", "model.safetensors.index.json"] {
-                let file = self.join(at, name);
-                if Object::exists(&file.to_string_lossy(), self.options)
-                    .map_err(|e| Error::remote(&file, e))?
-                {
-                    names.push(name.to_string());
-                }
-            }
-            return Ok(names);
+        if let Some(hub) = store::Hub::parse(&url).map_err(|e| Error::remote(at, e))? {
+            // The Hub lists through its API, not through resolve URLs.
+            let (api, location) =
+                store::locate_as(&hub.tree_url(), hub.authorization(), self.options)
+                    .map_err(|e| Error::remote(at, e))?;
+            let json = Object::fetch_located(api.as_ref(), &location, &url)
+                .map_err(|e| Error::remote(at, e))?;
+            return hub_names(&json, &hub.path).map_err(|e| Error::remote(at, e));
         }
         let (store, prefix) =
             store::locate(&url, self.options).map_err(|e| Error::remote(at, e))?;
@@ -93,6 +88,44 @@ fn split_query(at: &Path) -> (String, String) {
 
 fn path_part(at: &Path) -> String {
     split_query(at).0
+}
+
+/// The Hub API's most entries in one page of a folder's listing (it pages beyond them).
+const HUB_PAGE: usize = 1000;
+
+/// The names of the files directly in `folder`, sorted, from the Hub API's tree listing of it.
+fn hub_names(json: &[u8], folder: &str) -> std::io::Result<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        #[serde(rename = "type")]
+        kind: String,
+        path: String,
+    }
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    let entries: Vec<Entry> = serde_json::from_slice(json).map_err(|e| {
+        bad(format!(
+            "the Hub's listing of the folder is not a tree ({e})"
+        ))
+    })?;
+    if entries.len() >= HUB_PAGE {
+        return Err(bad(format!(
+            "the folder has {HUB_PAGE} or more entries (more than one page of the Hub's \
+             listing): name its index.json or its files"
+        )));
+    }
+    let prefix = match folder {
+        "" => String::new(),
+        folder => format!("{folder}/"),
+    };
+    let mut names: Vec<String> = (entries.into_iter())
+        .filter(|e| e.kind == "file")
+        .filter_map(|e| {
+            let name = e.path.strip_prefix(&prefix)?;
+            (!name.is_empty() && !name.contains('/')).then(|| name.to_string())
+        })
+        .collect();
+    names.sort();
+    Ok(names)
 }
 
 /// Names directly under `prefix`, sorted.
@@ -142,5 +175,28 @@ mod tests {
                 .is_dir(Path::new("s3://b/m.safetensors?versionId=3"))
                 .unwrap()
         );
+    }
+
+    #[test]
+    fn hub_listings_give_the_files_directly_in_the_folder() {
+        let json = br#"[{"type":"file","oid":"1","size":3,"path":"unet/config.json"},
+            {"type":"file","path":"unet/diffusion_pytorch_model.safetensors","size":9},
+            {"type":"directory","path":"unet/sub"},
+            {"type":"file","path":"unetx/other.safetensors"}]"#;
+        let names = hub_names(json, "unet").unwrap();
+        assert_eq!(
+            names,
+            ["config.json", "diffusion_pytorch_model.safetensors"]
+        );
+        let root =
+            br#"[{"type":"file","path":"model.safetensors"},{"type":"directory","path":"unet"}]"#;
+        assert_eq!(hub_names(root, "").unwrap(), ["model.safetensors"]);
+        assert!(hub_names(b"{\"error\": \"nope\"}", "").is_err());
+        let page = format!(
+            "[{}]",
+            vec![r#"{"type":"file","path":"a"}"#; HUB_PAGE].join(",")
+        );
+        let err = hub_names(page.as_bytes(), "").unwrap_err().to_string();
+        assert!(err.contains("name its index.json"), "{err}");
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::future::Either;
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetRange, ObjectStore};
 
 use super::{Options, store};
 
@@ -187,18 +187,6 @@ impl Object {
         })
     }
 
-    /// Whether `url` names an object (a HEAD request; a missing one is `false`).
-    pub fn exists(url: &str, options: &Options) -> io::Result<bool> {
-        let (store, location) = store::locate(url, options)?;
-        wait(None, async {
-            match store.head(&location).await {
-                Ok(_) => Ok(true),
-                Err(object_store::Error::NotFound { .. }) => Ok(false),
-                Err(e) => Err(to_io(url, e)),
-            }
-        })
-    }
-
     /// The store's error for a read of this object: a version that is gone is its own error.
     fn error(&self, e: object_store::Error) -> io::Error {
         match e {
@@ -218,8 +206,17 @@ impl Object {
     /// The whole of a small object (an index.json): at most [`INDEX_BYTES`].
     pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
         let (store, location) = store::locate(url, options)?;
+        Self::fetch_located(store.as_ref(), &location, url)
+    }
+
+    /// [`Object::fetch_all`] of `location` in `store` (`url` names it in messages).
+    pub fn fetch_located(
+        store: &dyn ObjectStore,
+        location: &ObjectPath,
+        url: &str,
+    ) -> io::Result<Vec<u8>> {
         wait(None, async {
-            let got = (store.get_opts(&location, GetOptions::default()).await)
+            let got = (store.get_opts(location, GetOptions::default()).await)
                 .map_err(|e| to_io(url, e))?;
             collect(got.into_stream(), url, INDEX_BYTES, || {
                 io::Error::new(

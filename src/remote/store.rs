@@ -34,12 +34,20 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
 
 /// The store serving `url` and the object's path in it; stores are kept for the process, one per
 /// scheme, bucket (or host) and options, so shards and later loads reuse their connections.
+/// An `hf://` URL is served by its Hub `resolve` URL (see [`Hub`]).
 pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
-    let (resolved, authorization) = match hub(url)? {
-        Some((resolved, authorization)) => (resolved, authorization),
-        None => (url.to_string(), None),
-    };
-    let url = resolved.as_str();
+    match Hub::parse(url)? {
+        Some(hub) => locate_as(&hub.resolve_url(), hub.authorization(), options),
+        None => locate_as(url, None, options),
+    }
+}
+
+/// [`locate`] of a URL that is not `hf://`, sent with `authorization` to its own host.
+pub fn locate_as(
+    url: &str,
+    authorization: Option<String>,
+    options: &Options,
+) -> io::Result<(Arc<dyn ObjectStore>, ObjectPath)> {
     let parsed = Url::parse(url).map_err(|e| invalid(format!("{url}: not a URL ({e})")))?;
     let (scheme, path) = match parsed.scheme() {
         // An http(s) URL is read as it is written, whatever its host looks like: signing an
@@ -92,34 +100,85 @@ pub fn locate(url: &str, options: &Options) -> io::Result<(Arc<dyn ObjectStore>,
     Ok((store, path))
 }
 
-/// `hf://[datasets/|spaces/]ORG/REPO[@REVISION]/PATH` as the Hub's `resolve` URL (under
-/// `HF_ENDPOINT`, else https://huggingface.co; the revision `main` when none is named) and the
-/// `Authorization` huggingface_hub would send (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, else the
-/// token file under `HF_TOKEN_PATH` / `HF_HOME` / `~/.cache/huggingface`); None for other URLs.
-/// The resolve URL answers with a redirect to the Hub's storage, which the connector follows
-/// without the token.
-pub fn hub(url: &str) -> io::Result<Option<(String, Option<String>)>> {
-    let Some(rest) = url.strip_prefix("hf://") else {
-        return Ok(None);
-    };
-    let (kind, rest) = match rest.split_once('/') {
-        Some(("datasets", rest)) => ("datasets/", rest),
-        Some(("spaces", rest)) => ("spaces/", rest),
-        _ => ("", rest),
-    };
-    let mut parts = rest.splitn(3, '/');
-    let (Some(org), Some(repo)) = (parts.next().filter(|p| !p.is_empty()), parts.next()) else {
-        return Err(invalid(format!(
-            "{url}: expected hf://ORG/REPO[@REVISION]/FILE"
-        )));
-    };
-    let path = parts.next().unwrap_or_default();
-    let (repo, revision) = repo.split_once('@').unwrap_or((repo, "main"));
-    let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
-    let endpoint = endpoint.trim_end_matches('/');
-    let revision = revision.replace('/', "%2F"); // refs/pr/1
-    let resolved = format!("{endpoint}/{kind}{org}/{repo}/resolve/{revision}/{path}");
-    Ok(Some((resolved, hub_token().map(|t| format!("Bearer {t}")))))
+/// `hf://[datasets/|spaces/]ORG/REPO[@REVISION]/PATH`: a file or folder of a Hub repository,
+/// under `HF_ENDPOINT` (else https://huggingface.co), at the revision named (else `main`).
+pub struct Hub {
+    endpoint: String,
+    /// "models", "datasets" or "spaces".
+    kind: &'static str,
+    /// ORG/REPO.
+    repo: String,
+    /// URL-encoded (`refs/pr/1` as `refs%2Fpr%2F1`).
+    revision: String,
+    /// In the repository, without a leading or trailing `/`.
+    pub path: String,
+}
+
+impl Hub {
+    /// The repository path `url` names; None for URLs that are not `hf://`.
+    pub fn parse(url: &str) -> io::Result<Option<Hub>> {
+        let Some(rest) = url.strip_prefix("hf://") else {
+            return Ok(None);
+        };
+        let (kind, rest) = match rest.split_once('/') {
+            Some(("datasets", rest)) => ("datasets", rest),
+            Some(("spaces", rest)) => ("spaces", rest),
+            _ => ("models", rest),
+        };
+        let mut parts = rest.splitn(3, '/');
+        let (Some(org), Some(repo)) = (parts.next().filter(|p| !p.is_empty()), parts.next()) else {
+            return Err(invalid(format!(
+                "{url}: expected hf://ORG/REPO[@REVISION]/FILE"
+            )));
+        };
+        let path = parts
+            .next()
+            .unwrap_or_default()
+            .trim_matches('/')
+            .to_string();
+        let (repo, revision) = repo.split_once('@').unwrap_or((repo, "main"));
+        let endpoint =
+            std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+        Ok(Some(Hub {
+            endpoint: endpoint.trim_end_matches('/').to_string(),
+            kind,
+            repo: format!("{org}/{repo}"),
+            revision: revision.replace('/', "%2F"),
+            path,
+        }))
+    }
+
+    /// The file's `resolve` URL, which answers with a redirect to the Hub's storage (followed
+    /// by the connector, without the token).
+    pub fn resolve_url(&self) -> String {
+        let kind = match self.kind {
+            "models" => "",
+            "datasets" => "datasets/",
+            _ => "spaces/",
+        };
+        let (endpoint, repo, revision, path) =
+            (&self.endpoint, &self.repo, &self.revision, &self.path);
+        format!("{endpoint}/{kind}{repo}/resolve/{revision}/{path}")
+    }
+
+    /// The Hub API's listing of the folder (`/api/{kind}/ORG/REPO/tree/REVISION/PATH`: a JSON
+    /// array of `{"type": "file" | "directory", "path": ...}`, as huggingface_hub lists it).
+    pub fn tree_url(&self) -> String {
+        let (endpoint, kind, repo, revision, path) = (
+            &self.endpoint,
+            self.kind,
+            &self.repo,
+            &self.revision,
+            &self.path,
+        );
+        format!("{endpoint}/api/{kind}/{repo}/tree/{revision}/{path}")
+    }
+
+    /// The `Authorization` huggingface_hub would send (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, else
+    /// the token file under `HF_TOKEN_PATH` / `HF_HOME` / `~/.cache/huggingface`).
+    pub fn authorization(&self) -> Option<String> {
+        hub_token().map(|t| format!("Bearer {t}"))
+    }
 }
 
 fn hub_token() -> Option<String> {

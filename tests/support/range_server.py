@@ -22,6 +22,10 @@ deterministic:
 - ``redirect_to``: every request is answered 302 to this prefix + its path and query (``"self"``:
   to this server's own URL, a loop), as the Hub's ``resolve`` answers with its storage's URL.
 
+The Hub API's folder listing is answered too: ``GET /api/{models|datasets|spaces}/ORG/REPO/tree/
+REVISION/PATH`` lists ``[datasets/|spaces/]ORG/REPO/resolve/REVISION/PATH`` under the root (where
+the ``resolve`` URLs find their files) as the Hub does, a JSON array of ``{"type", "path", "size"}``.
+
 Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
 answered 412, as object stores answer it.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import socket
@@ -170,6 +175,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = f"injected {code}".encode() + b"x" * error_body
             self._reply_empty(code, body)
             return self._record(method, wanted, code, 0)
+        # The Hub's API answers itself; its resolve URLs redirect to storage.
+        tree = re.fullmatch(r"/api/(models|datasets|spaces)/([^/]+/[^/]+)/tree/([^/]+)/?(.*)",
+                            self.path.split("?")[0])
+        if tree is not None:
+            self._reply_tree(*tree.groups())
+            return self._record(method, wanted, 200, 0)
         if redirect_to is not None:
             target = (srv.url if redirect_to == "self" else redirect_to) + self.path
             self._reply_empty(302, b"", {"Location": target})
@@ -236,6 +247,23 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(block)
                 sent += len(block)
+
+    def _reply_tree(self, kind: str, repo: str, revision: str, folder: str) -> None:
+        """The Hub API's listing of one folder of a repository (not recursive)."""
+        from urllib.parse import unquote
+
+        base = os.path.join(self.server.root, "" if kind == "models" else kind, repo, "resolve", unquote(revision),
+                            folder)
+        if not os.path.isdir(base):
+            return self._reply_empty(404, b'{"error": "Entry not found"}')
+        entries = []
+        for name in sorted(os.listdir(base)):
+            full, path = os.path.join(base, name), f"{folder}/{name}".lstrip("/")
+            if os.path.isdir(full):
+                entries.append({"type": "directory", "oid": "0", "size": 0, "path": path})
+            else:
+                entries.append({"type": "file", "oid": "0", "size": os.path.getsize(full), "path": path})
+        self._reply_empty(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
 
     def _reply_empty(self, code: int, body: bytes, headers: Optional[dict] = None) -> None:
         self.send_response(code)
