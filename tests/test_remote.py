@@ -645,6 +645,21 @@ def test_retry_after_as_an_http_date_is_waited_for(http, mixed):
     assert http.started[1] - http.started[0] >= 1.0, http.started[:2]
 
 
+def test_a_server_busy_on_every_retry_after_try_fails_with_a_message(http, mixed):
+    """A 503 with Retry-After on every try: six tries (the first and object_store's five
+    retries), no more, then a SafetensorError that says the server stayed busy; no try after the
+    last is waited for, and nothing is retried again on top."""
+    path, ref = mixed
+    http.reset()
+    http.busy, http.busy_for = 100, 0
+    url = f"{http.url}/models/mixed.safetensors"
+    with pytest.raises(safeload.SafetensorError, match=r"503 Service Unavailable on each of 6 tries .*still busy"):
+        safeload.torch.load_file(url)
+    assert [r[3] for r in http.requests] == [503] * 6, http.requests
+    http.busy = 0
+    _assert_same(safeload.torch.load_file(url), ref)
+
+
 @pytest.fixture
 def tls_server(root, tmp_path):
     """An HTTPS range server (as localhost) with a self-signed certificate; yields it and the

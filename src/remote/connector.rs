@@ -10,7 +10,9 @@
 //! Every wait is bounded, by the client options `object_store` names (storage_options or the
 //! environment): `connect_timeout` (default 10 s), `timeout` for the response headers (30 s), and
 //! `read_timeout` for each piece of any body (30 s without a byte is an error). An error response's
-//! body (which `object_store` reads into its message) is cut to [`ERROR_BODY_BYTES`].
+//! body (which `object_store` reads into its message) is cut to [`ERROR_BODY_BYTES`]. A `429` or
+//! `503` with `Retry-After` is retried here, after the wait it names (capped), as many times as
+//! `object_store` would retry it, and then fails without a last, useless wait.
 //!
 //! Connections go through the proxies of `proxy` (`HTTPS_PROXY`, `proxy_url`, ...); TLS is `tls`'s.
 
@@ -144,6 +146,11 @@ impl HttpConnector for Connector {
 
 /// The longest `Retry-After` waited for.
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(30);
+/// Tries of one request that `Retry-After` answers may take: the first and the retries
+/// `object_store` would make.
+const RETRY_AFTER_TRIES: usize = super::store::MAX_RETRIES + 1;
+/// The most one request waits, in all, for the `Retry-After`s it is answered with.
+const RETRY_AFTER_TOTAL: Duration = super::store::RETRY_TIMEOUT;
 
 /// How long a `429 Too Many Requests` or `503 Service Unavailable` asks the client to wait before
 /// its next try: `Retry-After` in seconds or as an HTTP date, at most [`RETRY_AFTER_MAX`].
@@ -217,11 +224,30 @@ impl HttpService for Hyper {
         }
         let ranged = req.headers().contains_key(RANGE);
         let stall = self.waits.stall;
-        let response = self.follow(req).await?;
-        if let Some(wait) = retry_after(response.status(), response.headers()) {
-            // object_store retries a 429 / 503 after its own backoff, which then follows this.
+        // A 429 / 503 with `Retry-After` is retried here, after the wait it asks for, as this
+        // client counts its tries: given to object_store, it would retry after its own backoff
+        // and then this wait, and wait once more before the try it gives up after.
+        let (mut tries, mut waited) = (1, Duration::ZERO);
+        let response = loop {
+            let again = copy(&req);
+            let response = self.follow(req).await?;
+            let Some(wait) = retry_after(response.status(), response.headers()) else {
+                break response;
+            };
+            if tries == RETRY_AFTER_TRIES || waited + wait > RETRY_AFTER_TOTAL {
+                let message = format!(
+                    "{}: {} on each of {tries} tries ({} s waited as Retry-After asked); \
+                     the server is still busy",
+                    crate::redact::redact(&again.uri().to_string()),
+                    response.status(),
+                    waited.as_secs(),
+                );
+                // Not retried: these tries were object_store's retries.
+                return Err(HttpError::new(HttpErrorKind::Unknown, Message(message)));
+            }
             tokio::time::sleep(wait).await;
-        }
+            (tries, waited, req) = (tries + 1, waited + wait, again);
+        };
         let (mut parts, body) = response.into_parts();
         if ranged && parts.status == StatusCode::OK && parts.headers.contains_key(CONTENT_RANGE) {
             parts.status = StatusCode::PARTIAL_CONTENT;
@@ -334,6 +360,16 @@ impl Hyper {
         }
         unreachable!("the last hop returns")
     }
+}
+
+/// The same request again, for its next try.
+fn copy(req: &HttpRequest) -> HttpRequest {
+    let mut again = http::Request::new(req.body().clone());
+    *again.method_mut() = req.method().clone();
+    *again.uri_mut() = req.uri().clone();
+    *again.version_mut() = req.version();
+    *again.headers_mut() = req.headers().clone();
+    again
 }
 
 /// `body`'s frames, each within `stall` of the last (else a timeout error, the end), and at most

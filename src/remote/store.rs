@@ -321,6 +321,10 @@ fn s3(base: &str, options: &Options, env: Environment) -> Built {
 
 /// Retries of failed requests (and of bodies cut short, from the byte where they stopped):
 /// 5 within 2 minutes, 0.1-2 s apart, so a server that keeps failing is reported in seconds.
+/// Retries of a failed request (after its first try), and the time they may take in all.
+pub(super) const MAX_RETRIES: usize = 5;
+pub(super) const RETRY_TIMEOUT: Duration = Duration::from_secs(120);
+
 fn retry() -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {
@@ -328,8 +332,8 @@ fn retry() -> RetryConfig {
             max_backoff: Duration::from_secs(2),
             base: 2.0,
         },
-        max_retries: 5,
-        retry_timeout: Duration::from_secs(120),
+        max_retries: MAX_RETRIES,
+        retry_timeout: RETRY_TIMEOUT,
     }
 }
 
