@@ -413,6 +413,7 @@ fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
         // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
         .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
         .collect();
+    prefault(&mut bufs);
     let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
     let mut done = 0usize;
     while !rest.is_empty() {
@@ -427,6 +428,29 @@ fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
         }
     }
     Ok(())
+}
+
+/// Maps the destination pages of one read ahead of it ([`platform::prefault`]): destinations
+/// that follow each other in memory (small tensors packed in an arena) as one span.
+fn prefault(bufs: &mut [IoSliceMut<'_>]) {
+    let mut span: Option<(usize, usize)> = None;
+    for buf in bufs.iter_mut() {
+        let (start, end) = (
+            buf.as_mut_ptr() as usize,
+            buf.as_mut_ptr() as usize + buf.len(),
+        );
+        span = match span {
+            Some((s, e)) if start >= e && start - e < 4096 => Some((s, end)),
+            Some((s, e)) => {
+                platform::prefault(s as *mut u8, e - s);
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((s, e)) = span {
+        platform::prefault(s as *mut u8, e - s);
+    }
 }
 
 #[cfg(test)]

@@ -204,6 +204,25 @@ pub fn populate_mapped(ptr: NonNull<u8>, len: usize) -> bool {
     }
 }
 
+pub fn prefault(ptr: *mut u8, len: usize) {
+    // MADV_POPULATE_WRITE (Linux 5.14) over the whole pages inside the range: the page faults
+    // a first write would take, in one call, without changing a byte; an older kernel (EINVAL)
+    // or memory that cannot be populated leaves the faults to the writes.
+    let page = super::page_size();
+    let start = (ptr as usize).next_multiple_of(page);
+    let end = (ptr as usize + len) / page * page;
+    if end > start {
+        // SAFETY: advisory; the range lies within memory the caller is about to write.
+        unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                end - start,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+    }
+}
+
 pub fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
     // SAFETY: advisory call on memory the caller owns.
     unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };

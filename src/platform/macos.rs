@@ -140,6 +140,9 @@ pub fn populate_mapped(_ptr: NonNull<u8>, _len: usize) -> bool {
     false
 }
 
+/// No prefault call here: the writes fault.
+pub fn prefault(_ptr: *mut u8, _len: usize) {}
+
 pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
 
 pub fn huge_page_faults_cannot_stall() -> bool {
