@@ -188,6 +188,7 @@ impl<'a> Worker<'a> {
                 // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
                 .map(|s| unsafe { s.dest_mut() })
                 .collect();
+            prefault(dests.iter_mut().map(|d| (d.as_mut_ptr(), d.len())));
             return object.read_into(chunk.offset, &mut dests, self.stop);
         }
         if self.scratch.len() < chunk.len {
@@ -413,7 +414,7 @@ fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
         // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
         .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
         .collect();
-    prefault(&mut bufs);
+    prefault(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
     let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
     let mut done = 0usize;
     while !rest.is_empty() {
@@ -432,13 +433,10 @@ fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
 
 /// Maps the destination pages of one read ahead of it ([`platform::prefault`]): destinations
 /// that follow each other in memory (small tensors packed in an arena) as one span.
-fn prefault(bufs: &mut [IoSliceMut<'_>]) {
+fn prefault(dests: impl Iterator<Item = (*mut u8, usize)>) {
     let mut span: Option<(usize, usize)> = None;
-    for buf in bufs.iter_mut() {
-        let (start, end) = (
-            buf.as_mut_ptr() as usize,
-            buf.as_mut_ptr() as usize + buf.len(),
-        );
+    for (ptr, len) in dests {
+        let (start, end) = (ptr as usize, ptr as usize + len);
         span = match span {
             Some((s, e)) if start >= e && start - e < 4096 => Some((s, end)),
             Some((s, e)) => {
