@@ -47,7 +47,11 @@ fn redact_url(url: &str) -> String {
     let pairs: Vec<String> = query
         .split('&')
         .map(|pair| match pair.split_once('=') {
-            Some((key, _)) if secret_key(key) => format!("{key}=REDACTED"),
+            // A message's punctuation after the URL (`...?token=t0k: 404`) is not the value's.
+            Some((key, value)) if secret_key(key) => {
+                let punct = &value[value.trim_end_matches([':', ',', ';', '.']).len()..];
+                format!("{key}=REDACTED{punct}")
+            }
             _ => pair.to_string(),
         })
         .collect();
@@ -94,6 +98,10 @@ mod tests {
         assert_eq!(
             redact("no url here: /tmp/a.safetensors"),
             "no url here: /tmp/a.safetensors"
+        );
+        assert_eq!(
+            redact("http://h/m?token=t0k: 404 Not Found; https://h/n?sig=s1g."),
+            "http://h/m?token=REDACTED: 404 Not Found; https://h/n?sig=REDACTED."
         );
         let e = crate::error::Error::Remote(format!("{text}: gone"));
         assert!(!e.to_string().contains("hunter2") && !e.to_string().contains("t0k"));
