@@ -12,8 +12,21 @@ import sys
 
 import numpy as np
 import safetensors.numpy
+import safetensors.torch
+import torch
+
+import safeload.torch
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py")
+
+
+def _one_warm_round(path, contenders, out):
+    """bench.py on ``path``: one warm round of ``contenders``; its results.json."""
+    r = subprocess.run([sys.executable, BENCH, path, "--rounds", "1", "--no-cold", "--settle", "0",
+                        "--contenders", contenders, "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "results.json").read_text())
 
 
 def test_bench_on_a_users_file(tmp_path):
@@ -22,11 +35,7 @@ def test_bench_on_a_users_file(tmp_path):
                "empty": np.zeros((0, 2), dtype=np.float16)}
     safetensors.numpy.save_file(tensors, path)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, BENCH, path, "--rounds", "1", "--no-cold", "--settle", "0",
-                        "--contenders", "sl_auto,sl_get_tensors,st_default", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads((out / "results.json").read_text())
+    result = _one_warm_round(path, "sl_auto,sl_get_tensors,st_default", out)
     (ds,) = result["datasets"]
     assert ds["files"] == [path] and ds["tensors"] == len(tensors) and ds["verify"]["equal"]
     nbytes = sum(t.nbytes for t in tensors.values())
@@ -41,3 +50,31 @@ def test_bench_on_a_users_file(tmp_path):
     assert "| mine.safetensors |" in (out / "results.md").read_text()
     r = subprocess.run([sys.executable, BENCH, path, "--contenders", "sl_pread"], capture_output=True, text=True)
     assert r.returncode != 0 and "sl_pread" in r.stderr and "match no contender" in r.stderr
+
+
+def test_load_model_contenders_fill_a_module_shaped_like_the_file(tmp_path):
+    """``st_load_model`` / ``sl_load_model`` build a module with a parameter per tensor (nested by
+    the names' dots) before the clock; each load fills all of it (every tensor, every byte)."""
+    path = str(tmp_path / "model.safetensors")
+    tensors = {"layers.0.weight": np.arange(1 << 16, dtype=np.float32).reshape(256, 256),
+               "layers.0.bias": np.ones(256, dtype=np.float16), "layers.1.steps": np.arange(7, dtype=np.int64),
+               "head": np.zeros((0, 3), dtype=np.float32)}
+    safetensors.numpy.save_file(tensors, path)
+    result = _one_warm_round(path, "st_load_model,sl_load_model", tmp_path / "out")
+    runs = {run["contender"]: run for run in result["runs"]}
+    assert set(runs) == {"st_load_model", "sl_load_model"}
+    for name, run in runs.items():
+        assert (run["tensors"], run["bytes"]) == (len(tensors), sum(t.nbytes for t in tensors.values())), name
+    # The module matches the file exactly (strict loads find nothing missing or unexpected), starts
+    # with other bytes than the file's, and both loaders leave it holding the file's tensors.
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    for load_model in (safetensors.torch.load_model, safeload.torch.load_model):
+        module = bench._initialised_module([path])
+        state = module.state_dict()
+        assert not torch.equal(state["layers.0.weight"], torch.from_numpy(tensors["layers.0.weight"]))
+        missing, unexpected = load_model(module, path, strict=True)
+        assert (list(missing), list(unexpected)) == ([], [])
+        for k, v in tensors.items():
+            assert torch.equal(module.state_dict()[k], torch.from_numpy(v)), (load_model, k)

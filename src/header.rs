@@ -162,6 +162,14 @@ pub fn parse(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
     })?;
     let mut tensors = raw.tensors;
     tensors.sort_by_key(|t| (t.begin, t.end));
+    // The name index is also the duplicate check (one hash of each name, not two): a name seen
+    // twice is refused before the layout is looked at, as when the JSON is read.
+    let mut index = HashMap::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if index.insert(t.name.clone(), i).is_some() {
+            return Err(HeaderError::DuplicateKey(t.name.clone()));
+        }
+    }
     let covered = validate_layout(&tensors)?;
     if covered.checked_add(PREFIX_LEN + json_len) != Some(file_len) {
         return Err(HeaderError::IncompleteBuffer {
@@ -169,11 +177,6 @@ pub fn parse(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
             file_len,
         });
     }
-    let index = tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.clone(), i))
-        .collect();
     Ok(Header {
         json_len,
         metadata: raw.metadata,
@@ -285,7 +288,7 @@ impl<'de> Deserialize<'de> for RawHeader {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut metadata = None;
                 let mut seen_metadata = false;
-                let mut names = HashSet::new();
+                // Tensor names seen twice are refused by `parse`, which indexes them.
                 let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
                 while let Some(key) = map.next_key::<String>()? {
                     if key == "__metadata__" {
@@ -297,11 +300,6 @@ impl<'de> Deserialize<'de> for RawHeader {
                         seen_metadata = true;
                         metadata = map.next_value::<Option<MetadataMap>>()?.map(|m| m.0);
                         continue;
-                    }
-                    if !names.insert(key.clone()) {
-                        return Err(de::Error::custom(format!(
-                            "{DUPLICATE_MARKER}{key}{DUPLICATE_END}"
-                        )));
                     }
                     let raw: RawTensor = map.next_value()?;
                     tensors.push(TensorInfo {
@@ -379,6 +377,12 @@ mod tests {
                 r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
                 2,
                 "duplicate tensor name `a`",
+            ),
+            // A name given twice is what is reported, before the layout it breaks.
+            (
+                r#"{"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                1,
+                "duplicate tensor name `b`",
             ),
             (r#"[1,2]"#, 0, "expected a map"),
             (r#"{"__metadata__":{"k":1}}"#, 0, "invalid type"),

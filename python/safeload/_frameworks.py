@@ -124,7 +124,7 @@ def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, An
     ``torch.frombuffer(...).view(shape)`` (torch's ``view`` is the slow part), bf16 included."""
     import torch
 
-    from_dlpack = torch.from_dlpack
+    from_dlpack = _capsule_importer(torch)
     fast = _torch_dlpack
     out = {}
     for name, code, shape, data in items:
@@ -133,6 +133,13 @@ def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, An
         else:
             out[name] = to_torch(code, shape, data, name)
     return out
+
+
+def _capsule_importer(torch: Any) -> Any:
+    """What ``torch.from_dlpack`` calls for a DLPack capsule (``torch._C._from_dlpack``: the same
+    tensor without the Python-level dispatch, 0.8 us a tensor against 1.0 us), or
+    ``torch.from_dlpack`` itself on a torch that names it otherwise."""
+    return getattr(getattr(torch, "_C", None), "_from_dlpack", None) or torch.from_dlpack
 
 
 def numpy_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
