@@ -388,15 +388,13 @@ def _loader(name: str, spec: Dict[str, Any], meta: Dict[str, Any]) -> Callable[[
     return run
 
 
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
 def _initialised_module(files: Sequence[str]) -> Any:
     """A module with one parameter per tensor of ``files`` (nested by the names' dots), every page of
     its memory written, as a model's ``__init__`` leaves it: what ``load_model`` loads into."""
     import safetensors
     import torch
+
+    from safeload._frameworks import torch_dtype
 
     root = torch.nn.Module()
     for f in files:
@@ -409,7 +407,7 @@ def _initialised_module(files: Sequence[str]) -> Any:
                     if not hasattr(mod, part):
                         mod.add_module(part, torch.nn.Module())
                     mod = getattr(mod, part)
-                t = torch.empty(s.get_shape(), dtype=getattr(torch, _TORCH_DTYPES[s.get_dtype()]))
+                t = torch.empty(s.get_shape(), dtype=torch_dtype(s.get_dtype(), k))
                 if t.numel():
                     t.view(-1).view(torch.uint8).fill_(1)
                 mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))

@@ -151,7 +151,8 @@ pub fn parse(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
     let json_len = json.len() as u64;
     let text = std::str::from_utf8(json).map_err(|e| HeaderError::InvalidUtf8(e.to_string()))?;
     let raw: RawHeader = serde_json::from_str(text).map_err(|e| {
-        // The duplicate-key check runs inside serde; surface it as its own rule.
+        // A second `__metadata__` is refused inside serde; surface it as its own rule (tensor
+        // names given twice are found below, by the name index).
         let message = e.to_string();
         match message.strip_prefix(DUPLICATE_MARKER) {
             Some(rest) => HeaderError::DuplicateKey(
