@@ -244,6 +244,38 @@ def test_many_small_tensors(many_file, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_import_many_splits_what_torch_imports_from_what_it_cannot(dtype_files, backend):
+    """get_tensors' torch path: the core imports each tensor's DLPack capsule itself
+    (``import_many``), for the dtypes a probe found torch's import makes exactly; an empty tensor
+    or another dtype (F4 always, fp8 / unsigned where this torch lacks them) comes back as
+    (code, shape, bytes) for ``to_torch``, in its place in file order."""
+    from safeload._frameworks import _capsule_importer, _dlpack_codes
+    from safeload._safeload import Bytes
+
+    tensors, paths = dtype_files
+    codes = _dlpack_codes(torch)
+    assert {"F32", "F16", "BF16", "I64", "BOOL"} <= codes and "F4" not in codes
+    zeros = Bytes.zeroed(24)
+    assert len(zeros) == 24 and bytes(zeros) == bytes(24)
+    importer = _capsule_importer(torch)
+    with safeload.safe_open(paths["present"], "pt", backend=backend) as f:
+        items = f._handle.read_many()
+        out, rest = f._handle.import_many(importer, tuple(codes))
+        untouched, everything = f._handle.import_many(importer, ())
+        in_file_order = f.offset_keys()
+    names = [n for n, *_ in items]
+    assert names == in_file_order == list(out) == list(untouched) == everything
+    assert rest == [n for n, code, _, data in items if code not in codes or not len(data)]
+    assert any(n.startswith("F4.") for n in rest) and any(n.startswith("F32.") for n in names if n not in rest)
+    for name, code, shape, data in items:
+        if name in rest:
+            assert out[name][:2] == (code, shape) and out[name][2] == data, name
+        else:
+            assert_tensor_equal(out[name], tensors[name], name)
+        assert untouched[name][:2] == (code, shape) and untouched[name][2] == data, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_load_file_matches_reference(dtype_files, backend):
     _, paths = dtype_files
     ref = st_torch.load_file(paths["present"])

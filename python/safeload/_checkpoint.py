@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code, gc_paused
+from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code, gc_paused, torch_read_many
 from ._safeload import Checkpoint, SafetensorError
 
 Progress = Callable[[int, int], None]
@@ -70,9 +70,12 @@ def load_checkpoint(
                 out[name] = tensor
         else:  # one read (or maps, when "auto" maps)
             with gc_paused():
-                items, _ = ckpt.read(dtype=dtype_code(dtype))
-                for name, code, shape, data in items:
-                    out[name] = convert(name, code, shape, data)
+                if FRAMEWORKS[framework] == "pytorch":
+                    out = torch_read_many(ckpt, dtype_code(dtype))
+                else:
+                    items, _ = ckpt.read(dtype=dtype_code(dtype))
+                    for name, code, shape, data in items:
+                        out[name] = convert(name, code, shape, data)
         stats = ckpt.stats()
     finally:
         ckpt.close()

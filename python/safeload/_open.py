@@ -6,7 +6,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device, _logging, _mps, _prefetch, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype
+from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype, torch_read_many
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
 
@@ -151,7 +151,10 @@ class safe_open:
             return to_dtype(tensors, dtype)
         code = dtype if dtype is None or dtype in ("F32", "F16", "BF16") else dtype_code(dtype)
         with gc_paused():
-            tensors = MANY[self._framework](self._handle.read_many(dtype=code))
+            if self._framework == "pytorch":
+                tensors = torch_read_many(self._handle, code)
+            else:
+                tensors = MANY[self._framework](self._handle.read_many(dtype=code))
         _logging.log_read(self._handle.path, self, "get_tensors")
         return tensors
 

@@ -12,12 +12,12 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::ptr;
 
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyMemoryError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffer::TensorBytes;
+use crate::buffer::{Region, TensorBytes};
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Bytes {
@@ -130,6 +130,36 @@ fn capsule<'py>(
     }
 }
 
+/// Tensors as a framework's DLPack import makes them, in one pass with no Python per tensor:
+/// `{name: importer(capsule)}` in the order of `items` for the non-empty ones whose dtype is in
+/// `codes` (those the caller found `importer` takes exactly, see [`Bytes::zeroed`]); the others
+/// map to their `(code, shape, bytes)` for the caller to convert its own way, and their names are
+/// returned in order. For thousands of small tensors this is what a load's Python side costs.
+pub(super) fn import_all<'py>(
+    py: Python<'py>,
+    items: Vec<(String, &'static str, Vec<usize>, Bytes)>,
+    importer: &Bound<'py, PyAny>,
+    codes: &[String],
+) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+    let out = PyDict::new(py);
+    let mut rest = Vec::new();
+    let mut dims = Vec::new();
+    for (name, code, shape, bytes) in items {
+        let ty =
+            dl_type(code).filter(|_| !bytes.inner.is_empty() && codes.iter().any(|c| c == code));
+        if let Some(ty) = ty {
+            dims.clear();
+            dims.extend(shape.iter().map(|&d| d as i64));
+            let tensor = importer.call1((capsule(py, &bytes.inner, ty, &dims)?,))?;
+            out.set_item(name, tensor)?;
+        } else {
+            out.set_item(&name, (code, shape, bytes))?;
+            rest.push(name);
+        }
+    }
+    Ok((out, rest))
+}
+
 /// numpy's `PyArrayInterface` (the `__array_struct__` capsule's struct), with room for the one
 /// dimension and stride it points to.
 #[repr(C)]
@@ -169,6 +199,18 @@ impl Bytes {
     /// Byte-for-byte equality with other tensor bytes (`safeload verify`'s pread/mmap check).
     fn __eq__(&self, other: &Bytes) -> bool {
         self.inner.as_slice() == other.inner.as_slice()
+    }
+
+    /// `len` zero bytes of their own: what a framework's DLPack import is probed with, once per
+    /// dtype, before [`import_all`] hands it capsules of that dtype.
+    #[staticmethod]
+    fn zeroed(len: usize) -> PyResult<Self> {
+        let region = Region::alloc(len).map_err(|e| PyMemoryError::new_err(e.to_string()))?;
+        Ok(Bytes::new(TensorBytes::new(
+            std::sync::Arc::new(region),
+            0,
+            len,
+        )))
     }
 
     /// Address of the first byte (for tests of alignment and ownership).

@@ -142,6 +142,21 @@ impl Checkpoint {
         Ok((tuples(&picked, read), Stats::from(s)))
     }
 
+    /// Every tensor as one framework's tensors, made without Python per tensor
+    /// (`Handle.import_many`): `({name: importer(capsule)}, rest)`, `rest` naming the tensors
+    /// left as `(code, shape, bytes)` for the caller to convert.
+    #[pyo3(signature = (importer, codes, dtype=None))]
+    fn import_many<'py>(
+        &self,
+        py: Python<'py>,
+        importer: Bound<'py, PyAny>,
+        codes: Vec<String>,
+        dtype: Option<&str>,
+    ) -> PyResult<(Bound<'py, pyo3::types::PyDict>, Vec<String>)> {
+        let (items, _) = self.read(py, None, dtype)?;
+        super::bytes::import_all(py, items, &importer, &codes)
+    }
+
     /// Reads each named tensor straight into its destination where the reader can: a host
     /// tensor or array exporting DLPack, contiguous, sharing memory with no other destination,
     /// of the tensor's size in its own dtype or one it converts to (F32/F16/BF16). Returns the

@@ -305,6 +305,23 @@ impl Handle {
         self.read_named(py, names, parse_dtype(dtype)?)
     }
 
+    /// `read_many` as one framework's tensors, made without Python per tensor:
+    /// `({name: importer(capsule)}, rest)`, file order; a tensor whose dtype is not in `codes`
+    /// (or that is empty) maps to its `(dtype code, shape, bytes)` and is named in `rest` (see
+    /// `Bytes.zeroed` for how a caller finds the codes its importer takes).
+    #[pyo3(signature = (importer, codes, names=None, dtype=None))]
+    fn import_many<'py>(
+        &self,
+        py: Python<'py>,
+        importer: Bound<'py, PyAny>,
+        codes: Vec<String>,
+        names: Option<Vec<String>>,
+        dtype: Option<&str>,
+    ) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+        let items = self.read_named(py, names, parse_dtype(dtype)?)?;
+        super::bytes::import_all(py, items, &importer, &codes)
+    }
+
     /// Reads data-area ranges straight into the caller's memory, all in one plan read by the
     /// worker pool in file order, GIL released: each `(dest, offset)` fills `dest` (any host
     /// tensor or array exporting DLPack: a pinned staging buffer, an MPS storage's CPU alias;
