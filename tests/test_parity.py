@@ -248,21 +248,26 @@ def test_import_many_splits_what_torch_imports_from_what_it_cannot(dtype_files, 
     """get_tensors' torch path: the core imports each tensor's DLPack capsule itself
     (``import_many``), for the dtypes a probe found torch's import makes exactly; an empty tensor
     or another dtype (F4 always, fp8 / unsigned where this torch lacks them) comes back as
-    (code, shape, bytes) for ``to_torch``, in its place in file order."""
+    (code, shape, bytes) for ``to_torch``, in its place in file order. A prefetch loader's takes
+    make theirs the same way."""
     from safeload._frameworks import _capsule_importer, _dlpack_codes
-    from safeload._safeload import Bytes
+    from safeload._safeload import Bytes, Importer
 
     tensors, paths = dtype_files
     codes = _dlpack_codes(torch)
     assert {"F32", "F16", "BF16", "I64", "BOOL"} <= codes and "F4" not in codes
     zeros = Bytes.zeroed(24)
     assert len(zeros) == 24 and bytes(zeros) == bytes(24)
-    importer = _capsule_importer(torch)
+    with pytest.raises(ValueError, match="unknown dtype code F33"):
+        Importer(_capsule_importer(torch), ["F32", "F33"])
+    importer, nothing = Importer(_capsule_importer(torch), sorted(codes)), Importer(_capsule_importer(torch), [])
     with safeload.safe_open(paths["present"], "pt", backend=backend) as f:
         items = f._handle.read_many()
-        out, rest = f._handle.import_many(importer, tuple(codes))
-        untouched, everything = f._handle.import_many(importer, ())
+        out, rest = f._handle.import_many(importer)
+        untouched, everything = f._handle.import_many(nothing)
         in_file_order = f.offset_keys()
+        with f.prefetch() as loader:
+            taken = {name: loader.take(name) for name in reversed(loader.names())}
     names = [n for n, *_ in items]
     assert names == in_file_order == list(out) == list(untouched) == everything
     assert rest == [n for n, code, _, data in items if code not in codes or not len(data)]
@@ -273,6 +278,7 @@ def test_import_many_splits_what_torch_imports_from_what_it_cannot(dtype_files, 
         else:
             assert_tensor_equal(out[name], tensors[name], name)
         assert untouched[name][:2] == (code, shape) and untouched[name][2] == data, name
+        assert_tensor_equal(taken[name], tensors[name], name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

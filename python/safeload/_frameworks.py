@@ -14,7 +14,7 @@ import gc
 import importlib
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
-from ._safeload import CONVERTIBLE, DTYPES, Bytes, SafetensorError
+from ._safeload import CONVERTIBLE, DTYPES, Bytes, Importer, SafetensorError
 
 FRAMEWORKS = {
     "pt": "pytorch",
@@ -146,19 +146,29 @@ def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, An
 
 
 def torch_read_many(reader: Any, dtype: Optional[str] = None) -> Dict[str, Any]:
-    """Every tensor of a ``Handle`` as torch tensors, file order, ``dtype`` as ``read_many``
-    takes it (or a ``Checkpoint``'s, which has the same call). The core imports each capsule
-    itself (``import_many``): with thousands of small tensors the per-tensor Python cost is what
-    counts (20,000 tensors, 140 MB, read and made: 78 -> 61 ms, medians of 8 fresh processes);
-    empty tensors and the dtypes torch's DLPack import lacks come back as bytes for
-    :func:`to_torch`."""
-    import torch
-
-    out, rest = reader.import_many(_capsule_importer(torch), tuple(_dlpack_codes(torch)), dtype=dtype)
+    """Every tensor of a ``Handle`` or a ``Checkpoint`` as torch tensors, file order, ``dtype`` as
+    ``read_many`` takes it. The core makes them (``import_many`` with :func:`torch_importer`):
+    with thousands of small tensors the per-tensor Python cost is what counts (20,000 tensors,
+    140 MB, read and made: 78 -> 61 ms, medians of 8 fresh processes); empty tensors and the
+    dtypes torch's DLPack import lacks come back as bytes for :func:`to_torch`."""
+    out, rest = reader.import_many(torch_importer(), dtype=dtype)
     for name in rest:
         code, shape, data = out[name]
         out[name] = to_torch(code, shape, data, name)
     return out
+
+
+_torch_importer: Optional[Importer] = None
+
+
+def torch_importer() -> Importer:
+    """The core's maker of torch tensors: torch's DLPack import, for the dtypes it makes exactly."""
+    global _torch_importer
+    if _torch_importer is None:
+        import torch
+
+        _torch_importer = Importer(_capsule_importer(torch), sorted(_dlpack_codes(torch)))
+    return _torch_importer
 
 
 def _capsule_importer(torch: Any) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _mps
-from ._frameworks import torch_dtype, torch_shape
+from ._frameworks import to_torch, torch_dtype, torch_importer, torch_shape
 from ._safeload import Prefetch
 
 #: A prefetch plan: tensor name -> None (the whole tensor) or a step-1 slice of its first dimension.
@@ -75,6 +75,8 @@ class PrefetchLoader:
         self._device = device  # None: the CPU
         self._allocate = allocate
         self._staged = staged  # CUDA: provided tensors are pinned staging, copied at take
+        # CPU torch tensors are made by the core, one call a take (the dtypes it can make).
+        self._importer = torch_importer() if convert is to_torch and device is None and allocate is None else None
 
     def names(self) -> List[str]:
         """The plan's names, in file order."""
@@ -104,8 +106,8 @@ class PrefetchLoader:
 
     def take(self, name: str) -> Any:
         """The tensor (or the planned rows of it), waiting for its bytes."""
-        got = self._native.take(name, self._allocate)
-        if not isinstance(got, tuple):  # read into a destination made here
+        got = self._native.take(name, self._allocate, self._importer)
+        if not isinstance(got, tuple):  # made by the core, or read into a destination made here
             return _to_device(got, self._device) if self._staged else got
         name, code, shape, data = got
         tensor = self._convert(code, shape, data, name)

@@ -130,34 +130,73 @@ fn capsule<'py>(
     }
 }
 
-/// Tensors as a framework's DLPack import makes them, in one pass with no Python per tensor:
-/// `{name: importer(capsule)}` in the order of `items` for the non-empty ones whose dtype is in
-/// `codes` (those the caller found `importer` takes exactly, see [`Bytes::zeroed`]); the others
-/// map to their `(code, shape, bytes)` for the caller to convert its own way, and their names are
-/// returned in order. For thousands of small tensors this is what a load's Python side costs.
-pub(super) fn import_all<'py>(
-    py: Python<'py>,
-    items: Vec<(String, &'static str, Vec<usize>, Bytes)>,
-    importer: &Bound<'py, PyAny>,
-    codes: &[String],
-) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
-    let out = PyDict::new(py);
-    let mut rest = Vec::new();
-    let mut dims = Vec::new();
-    for (name, code, shape, bytes) in items {
-        let ty =
-            dl_type(code).filter(|_| !bytes.inner.is_empty() && codes.iter().any(|c| c == code));
-        if let Some(ty) = ty {
-            dims.clear();
-            dims.extend(shape.iter().map(|&d| d as i64));
-            let tensor = importer.call1((capsule(py, &bytes.inner, ty, &dims)?,))?;
-            out.set_item(name, tensor)?;
-        } else {
-            out.set_item(&name, (code, shape, bytes))?;
-            rest.push(name);
-        }
+/// A framework's DLPack import (`torch._C._from_dlpack`) and the dtypes it makes exactly (the
+/// caller probes them once, with [`Bytes::zeroed`]): tensors made in Rust, one call each, with
+/// no tuple, shape list, `Bytes` object or Python frame per tensor. For thousands of small
+/// tensors that is what a load's Python side costs, and fewer objects mean fewer runs of
+/// Python's cyclic collector.
+#[pyclass(frozen, module = "safeload._safeload")]
+pub struct Importer {
+    call: Py<PyAny>,
+    codes: Vec<&'static str>,
+}
+
+#[pymethods]
+impl Importer {
+    #[new]
+    fn new(call: Py<PyAny>, codes: Vec<String>) -> PyResult<Self> {
+        let codes = (codes.iter())
+            .map(|c| {
+                crate::dtype::Dtype::from_code(c)
+                    .map(|d| d.code())
+                    .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {c}")))
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(Importer { call, codes })
     }
-    Ok((out, rest))
+}
+
+impl Importer {
+    /// `bytes` as the framework's tensor of dtype `code` and `shape`; None for an empty tensor
+    /// or a dtype the import does not make exactly (the caller converts those its own way).
+    pub(super) fn import<'py>(
+        &self,
+        py: Python<'py>,
+        bytes: &Bytes,
+        code: &str,
+        shape: &[usize],
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(ty) = dl_type(code) else {
+            return Ok(None);
+        };
+        if bytes.inner.is_empty() || !self.codes.contains(&code) {
+            return Ok(None);
+        }
+        let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let capsule = capsule(py, &bytes.inner, ty, &dims)?;
+        self.call.bind(py).call1((capsule,)).map(Some)
+    }
+
+    /// `{name: tensor}` in the order of `items`; a tensor [`Importer::import`] leaves maps to its
+    /// `(code, shape, bytes)`, and its name is returned, in order, for the caller to convert.
+    pub(super) fn import_all<'py>(
+        &self,
+        py: Python<'py>,
+        items: Vec<(String, &'static str, Vec<usize>, Bytes)>,
+    ) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+        let out = PyDict::new(py);
+        let mut rest = Vec::new();
+        for (name, code, shape, bytes) in items {
+            match self.import(py, &bytes, code, &shape)? {
+                Some(tensor) => out.set_item(name, tensor)?,
+                None => {
+                    out.set_item(&name, (code, shape, bytes))?;
+                    rest.push(name);
+                }
+            }
+        }
+        Ok((out, rest))
+    }
 }
 
 /// numpy's `PyArrayInterface` (the `__array_struct__` capsule's struct), with room for the one
@@ -202,7 +241,7 @@ impl Bytes {
     }
 
     /// `len` zero bytes of their own: what a framework's DLPack import is probed with, once per
-    /// dtype, before [`import_all`] hands it capsules of that dtype.
+    /// dtype, before an [`Importer`] is handed capsules of that dtype.
     #[staticmethod]
     fn zeroed(len: usize) -> PyResult<Self> {
         let region = Region::alloc(len).map_err(|e| PyMemoryError::new_err(e.to_string()))?;

@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use pyo3::prelude::*;
 
 use super::args::{BackendArg, CheckpointArg, TensorTuple, options, parse_dtype};
-use super::bytes::Bytes;
+use super::bytes::{Bytes, Importer};
 use super::dlpack::Destinations;
 use super::errors::detached;
 use super::handle::Handle;
@@ -143,18 +143,17 @@ impl Checkpoint {
     }
 
     /// Every tensor as one framework's tensors, made without Python per tensor
-    /// (`Handle.import_many`): `({name: importer(capsule)}, rest)`, `rest` naming the tensors
+    /// (`Handle.import_many`): `({name: tensor}, rest)`, `rest` naming the tensors
     /// left as `(code, shape, bytes)` for the caller to convert.
-    #[pyo3(signature = (importer, codes, dtype=None))]
+    #[pyo3(signature = (importer, dtype=None))]
     fn import_many<'py>(
         &self,
         py: Python<'py>,
-        importer: Bound<'py, PyAny>,
-        codes: Vec<String>,
+        importer: PyRef<'py, Importer>,
         dtype: Option<&str>,
     ) -> PyResult<(Bound<'py, pyo3::types::PyDict>, Vec<String>)> {
         let (items, _) = self.read(py, None, dtype)?;
-        super::bytes::import_all(py, items, &importer, &codes)
+        importer.import_all(py, items)
     }
 
     /// Reads each named tensor straight into its destination where the reader can: a host

@@ -91,6 +91,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("CONVERTIBLE", crate::convert::CONVERTIBLE.map(|d| d.code()))?;
     m.add_class::<bytes::Bytes>()?;
+    m.add_class::<bytes::Importer>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<prefetch::Prefetch>()?;
     m.add_class::<write::TensorSpec>()?;

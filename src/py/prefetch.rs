@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
 use super::args::TensorTuple;
-use super::bytes::Bytes;
+use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::provided;
 use crate::engine::Tally;
@@ -157,14 +157,16 @@ impl Prefetch {
     }
 
     /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
-    /// not reached them). Returns (name, dtype code, shape, bytes), or the tensor `allocate`
-    /// made for it when the loader reads into provided destinations (see `Handle.take_into`).
-    #[pyo3(signature = (name, allocate=None))]
+    /// not reached them). Returns (name, dtype code, shape, bytes), the tensor `importer` makes
+    /// of them where it makes that dtype, or the tensor `allocate` made for it when the loader
+    /// reads into provided destinations (see `Handle.take_into`).
+    #[pyo3(signature = (name, allocate=None, importer=None))]
     fn take(
         &self,
         py: Python<'_>,
         name: &str,
         allocate: Option<Bound<'_, PyAny>>,
+        importer: Option<PyRef<'_, Importer>>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let Some(&i) = self.index.get(name) else {
@@ -188,7 +190,10 @@ impl Prefetch {
             {
                 provided::provide(py, &self.ahead, i, allocate)?;
             }
-            let taken = detached(py, |poll| self.ahead.take(i, true, poll))?;
+            let taken = match self.ahead.take_ready(i) {
+                Some(ready) => ready?,
+                None => detached(py, |poll| self.ahead.take(i, true, poll))?,
+            };
             if let Some(bytes) = &taken
                 && let Some(tensor) = provided::tensor(py, bytes)
             {
@@ -199,12 +204,13 @@ impl Prefetch {
                 None => self.read_now(py, i)?,
             };
             let item = &self.ahead.items()[i];
-            let tuple: TensorTuple = (
-                item.name.clone(),
-                item.dtype.code(),
-                item.shape.clone(),
-                bytes,
-            );
+            let code = item.dtype.code();
+            if let Some(importer) = &importer
+                && let Some(tensor) = importer.import(py, &bytes, code, &item.shape)?
+            {
+                return Ok(tensor.unbind());
+            }
+            let tuple: TensorTuple = (item.name.clone(), code, item.shape.clone(), bytes);
             Ok(tuple.into_pyobject(py)?.into_any().unbind())
         })();
         if result.is_err() {

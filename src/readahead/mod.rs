@@ -350,18 +350,7 @@ impl ReadAhead {
                     state.seconds += report.seconds;
                     return Ok(read.pop());
                 }
-                Slot::Ready(bytes) => {
-                    let bytes = bytes.take();
-                    state.slots[index] = Slot::Done;
-                    state.held -= size;
-                    state.taken += size;
-                    shared.cv.notify_all();
-                    drop(state);
-                    // Views of the map were made when the worker got here: handed out only
-                    // while the file still covers them.
-                    let name = &shared.items[index].name;
-                    return bytes.map(|b| b.checked(name)).transpose();
-                }
+                Slot::Ready(_) => return self.hand_over(state, index),
                 // Page cache: the view needs nothing from the worker; the caller's touches of
                 // pages it is reading wait for those pages only.
                 Slot::Reading if shared.mode == Mode::PageCache => {
@@ -394,6 +383,41 @@ impl ReadAhead {
                 Slot::Done => return Ok(None),
             }
         }
+    }
+
+    /// [`ReadAhead::take`] of a tensor the workers have read already, without waiting (so a
+    /// caller holding Python's GIL need not release it: a prefetch loader's takes of thousands of
+    /// small tensors); None when it is not ready, for `take` to wait for.
+    pub fn take_ready(&self, index: usize) -> Option<Result<Option<TensorBytes>>> {
+        if self.forked() {
+            return None;
+        }
+        let state = self.shared.lock();
+        if !matches!(state.slots[index], Slot::Ready(_)) {
+            return None;
+        }
+        Some(self.hand_over(state, index))
+    }
+
+    /// Hands over the bytes of `index`, a [`Slot::Ready`] one.
+    fn hand_over(
+        &self,
+        mut state: MutexGuard<'_, State>,
+        index: usize,
+    ) -> Result<Option<TensorBytes>> {
+        let shared = &*self.shared;
+        let Slot::Ready(bytes) = std::mem::replace(&mut state.slots[index], Slot::Done) else {
+            unreachable!("the caller checked the slot is ready")
+        };
+        let size = shared.items[index].nbytes() as u64;
+        state.held -= size;
+        state.taken += size;
+        shared.cv.notify_all();
+        drop(state);
+        // Views of the map were made when the worker got here: handed out only while the file
+        // still covers them.
+        let name = &shared.items[index].name;
+        bytes.map(|b| b.checked(name)).transpose()
     }
 
     /// Whether this is a child forked after the workers started (see [`Shared::pid`]).

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{BackendArg, TensorTuple, options, parse_dtype};
-use super::bytes::Bytes;
+use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
@@ -305,21 +305,20 @@ impl Handle {
         self.read_named(py, names, parse_dtype(dtype)?)
     }
 
-    /// `read_many` as one framework's tensors, made without Python per tensor:
-    /// `({name: importer(capsule)}, rest)`, file order; a tensor whose dtype is not in `codes`
-    /// (or that is empty) maps to its `(dtype code, shape, bytes)` and is named in `rest` (see
-    /// `Bytes.zeroed` for how a caller finds the codes its importer takes).
-    #[pyo3(signature = (importer, codes, names=None, dtype=None))]
+    /// `read_many` as one framework's tensors, made by `importer` without Python per tensor:
+    /// `({name: tensor}, rest)`, file order; a tensor it does not make (empty, or a dtype its
+    /// framework's DLPack import lacks) maps to its `(dtype code, shape, bytes)` and is named in
+    /// `rest`.
+    #[pyo3(signature = (importer, names=None, dtype=None))]
     fn import_many<'py>(
         &self,
         py: Python<'py>,
-        importer: Bound<'py, PyAny>,
-        codes: Vec<String>,
+        importer: PyRef<'py, Importer>,
         names: Option<Vec<String>>,
         dtype: Option<&str>,
     ) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
         let items = self.read_named(py, names, parse_dtype(dtype)?)?;
-        super::bytes::import_all(py, items, &importer, &codes)
+        importer.import_all(py, items)
     }
 
     /// Reads data-area ranges straight into the caller's memory, all in one plan read by the
