@@ -89,7 +89,7 @@ impl Tally {
 
 /// Worker count when the caller does not choose: one per core, at least 2, at most 8.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
+    platform::cores().clamp(2, 8)
 }
 
 /// The files a worker reads: shared descriptors, or its own ones opened on first use.

@@ -159,6 +159,15 @@ pub fn job_memory_headroom() -> Option<u64> {
     None
 }
 
+/// The cores this process may run on (`available_parallelism`; 1 when unknown), found once:
+/// on Linux the standard library reads the cgroup's files (/proc/self/cgroup, mountinfo,
+/// cpu.max) at every call, which cost a demand read of a small tensor (a `get_tensor` the
+/// read-ahead had handed out before) 37 us where the read takes a few.
+pub fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// The VM page size.
 pub fn page_size() -> usize {
     os::page_size()

@@ -24,7 +24,7 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RUNTIME.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)))
+            .worker_threads(crate::platform::cores().clamp(2, 8))
             .thread_name("safeload-io")
             .enable_all()
             .build()
