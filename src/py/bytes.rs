@@ -138,21 +138,24 @@ fn capsule<'py>(
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Importer {
     call: Py<PyAny>,
-    codes: Vec<&'static str>,
+    /// The dtypes it makes, with their DLPack types (found here once, not per tensor).
+    codes: Vec<(&'static str, (u8, u8))>,
 }
 
 #[pymethods]
 impl Importer {
     #[new]
     fn new(call: Py<PyAny>, codes: Vec<String>) -> PyResult<Self> {
-        let codes = (codes.iter())
-            .map(|c| {
-                crate::dtype::Dtype::from_code(c)
-                    .map(|d| d.code())
-                    .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {c}")))
-            })
-            .collect::<PyResult<_>>()?;
-        Ok(Importer { call, codes })
+        let mut known = Vec::with_capacity(codes.len());
+        for c in &codes {
+            let dtype = crate::dtype::Dtype::from_code(c)
+                .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {c}")))?;
+            // A dtype DLPack cannot describe (F4, F6) is never handed to the import.
+            if let Some(ty) = dtype.names().dlpack {
+                known.push((dtype.code(), ty));
+            }
+        }
+        Ok(Importer { call, codes: known })
     }
 }
 
@@ -166,10 +169,10 @@ impl Importer {
         code: &str,
         shape: &[usize],
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(ty) = dl_type(code) else {
+        let Some(&(_, ty)) = self.codes.iter().find(|(c, _)| *c == code) else {
             return Ok(None);
         };
-        if bytes.inner.is_empty() || !self.codes.contains(&code) {
+        if bytes.inner.is_empty() {
             return Ok(None);
         }
         let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
