@@ -30,7 +30,7 @@ Each file's ETag changes when it is rewritten; a request whose ``If-Match`` name
 answered 412, as object stores answer it.
 
 ``requests`` records (method, path, requested range or None, status, body bytes sent) for each,
-logged as the response starts (so a client holding every byte finds its request logged);
+logged before any of its response goes out (so a client holding a response finds it logged);
 ``authorizations`` the ``Authorization`` header of each request (None where there was none).
 
     python tests/support/range_server.py DIR [--port 0] [--latency 0.005]
@@ -168,41 +168,34 @@ class _Handler(BaseHTTPRequestHandler):
         path = os.path.join(srv.root, self.path.lstrip("/").split("?")[0])
         wanted = _parse_range(self.headers.get("Range"))
         if busy:
-            self._reply_empty(503, b"slow down", {"Retry-After": str(srv.busy_for)})
-            return self._record(method, wanted, 503, 0)
+            return self._answer(method, wanted, 503, b"slow down", {"Retry-After": str(srv.busy_for)})
         if status is not None or (fail and fail_mode == "status"):
             code = status if status is not None else 500
             body = f"injected {code}".encode() + b"x" * error_body
-            self._reply_empty(code, body)
-            return self._record(method, wanted, code, 0)
+            return self._answer(method, wanted, code, body)
         # The Hub's API answers itself; its resolve URLs redirect to storage.
         tree = re.fullmatch(r"/api/(models|datasets|spaces)/([^/]+/[^/]+)/tree/([^/]+)/?(.*)",
                             self.path.split("?")[0])
         if tree is not None:
-            self._reply_tree(*tree.groups())
-            return self._record(method, wanted, 200, 0)
+            return self._reply_tree(method, wanted, *tree.groups())
         if redirect_to is not None:
             target = (srv.url if redirect_to == "self" else redirect_to) + self.path
-            self._reply_empty(302, b"", {"Location": target})
-            return self._record(method, wanted, 302, 0)
+            return self._answer(method, wanted, 302, b"", {"Location": target})
         if require_query is not None and self.path.partition("?")[2] != require_query:
-            self._reply_empty(403, b"signature does not match")
-            return self._record(method, wanted, 403, 0)
+            return self._answer(method, wanted, 403, b"signature does not match")
         if not os.path.isfile(path):
-            self._reply_empty(404, b"not found")
-            return self._record(method, wanted, 404, 0)
+            return self._answer(method, wanted, 404, b"not found")
         size = os.path.getsize(path)
         stat = os.stat(path)
         etag = '"' + hashlib.md5(f"{stat.st_size}-{stat.st_mtime_ns}".encode()).hexdigest() + '"'
         asked = self.headers.get("If-Match")
         if asked is not None and asked != "*" and etag not in [t.strip() for t in asked.split(",")]:
-            self._reply_empty(412, b"precondition failed")  # the file changed since that ETag
-            return self._record(method, wanted, 412, 0)
+            return self._answer(method, wanted, 412, b"precondition failed")  # the file changed since that ETag
         if wanted is not None and not ignore_range:
             begin, end = wanted[0], min(wanted[1], size - 1)
             if begin >= size:
-                self._reply_empty(416, b"range not satisfiable", {"Content-Range": f"bytes */{size}"})
-                return self._record(method, wanted, 416, 0)
+                return self._answer(method, wanted, 416, b"range not satisfiable",
+                                    {"Content-Range": f"bytes */{size}"})
             code, headers = 206, {"Content-Range": f"bytes {begin}-{end}/{size}"}
         else:
             begin, end, code, headers = 0, size - 1, 200, {}
@@ -215,14 +208,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
         self.send_header("Content-Type", "application/octet-stream")
-        self.end_headers()
-        if head:
-            return self._record(method, wanted, code, 0)
-        send = length // 2 if (truncate or fail) else length
+        send = 0 if head else length // 2 if (truncate or fail) else length
         if stall_after is not None:
             send = min(send, stall_after)
-        # Logged before the body goes out: a client that has every byte may look at the log at once.
+        # Logged before the response goes out: a client that has it may look at the log at once.
         self._record(method, wanted, code, send)
+        self.end_headers()
+        if head:
+            return
         self._send_file(path, begin, send)
         if stall_after is not None:  # headers and a few bytes, then nothing
             self.wfile.flush()
@@ -248,14 +241,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(block)
                 sent += len(block)
 
-    def _reply_tree(self, kind: str, repo: str, revision: str, folder: str) -> None:
+    def _reply_tree(self, method: str, wanted: Optional[Tuple[int, int]], kind: str, repo: str, revision: str,
+                    folder: str) -> None:
         """The Hub API's listing of one folder of a repository (not recursive)."""
         from urllib.parse import unquote
 
         base = os.path.join(self.server.root, "" if kind == "models" else kind, repo, "resolve", unquote(revision),
                             folder)
         if not os.path.isdir(base):
-            return self._reply_empty(404, b'{"error": "Entry not found"}')
+            return self._answer(method, wanted, 404, b'{"error": "Entry not found"}')
         entries = []
         for name in sorted(os.listdir(base)):
             full, path = os.path.join(base, name), f"{folder}/{name}".lstrip("/")
@@ -263,7 +257,14 @@ class _Handler(BaseHTTPRequestHandler):
                 entries.append({"type": "directory", "oid": "0", "size": 0, "path": path})
             else:
                 entries.append({"type": "file", "oid": "0", "size": os.path.getsize(full), "path": path})
-        self._reply_empty(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
+        self._answer(method, wanted, 200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
+
+    def _answer(self, method: str, wanted: Optional[Tuple[int, int]], code: int, body: bytes,
+                headers: Optional[dict] = None) -> None:
+        """A whole small response, logged before it goes out (as every response is), so a client
+        that has it finds it in ``requests``. Bodies sent here count as no file bytes served."""
+        self._record(method, wanted, code, 0)
+        self._reply_empty(code, body, headers)
 
     def _reply_empty(self, code: int, body: bytes, headers: Optional[dict] = None) -> None:
         self.send_response(code)
