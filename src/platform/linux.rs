@@ -11,7 +11,9 @@ use std::ptr::NonNull;
 use super::FsKind;
 use super::Uncached;
 
-pub use super::unix::{cached_fraction, page_size, read_at, read_vectored_at, unmap_anonymous};
+pub use super::unix::{
+    cached_fraction, fork_generation, page_size, read_at, read_vectored_at, unmap_anonymous,
+};
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
 pub const MAP_IS_SAFE: bool = true;

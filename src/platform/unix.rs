@@ -34,6 +34,28 @@ pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     std::os::unix::fs::FileExt::read_at(file, buf, offset)
 }
 
+/// Forks of this process seen so far (see [`super::fork_generation`]): counted in the child by a
+/// `pthread_atfork` handler, registered on the first call; where it cannot be registered (no
+/// memory), the process id, which a child does not share either (a `getpid` each call).
+pub fn fork_generation() -> u64 {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static FORKS: AtomicU64 = AtomicU64::new(0);
+    static COUNTED: OnceLock<bool> = OnceLock::new();
+    extern "C" fn child() {
+        FORKS.fetch_add(1, Ordering::Relaxed);
+    }
+    // SAFETY: the handler only bumps an atomic, which is async-signal-safe, as code run in the
+    // child of a multithreaded fork must be.
+    let counted =
+        *COUNTED.get_or_init(|| unsafe { libc::pthread_atfork(None, None, Some(child)) } == 0);
+    if counted {
+        FORKS.load(Ordering::Relaxed)
+    } else {
+        1 << 32 | u64::from(std::process::id())
+    }
+}
+
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

@@ -192,6 +192,11 @@ pub fn job_memory_headroom() -> Option<u64> {
     room
 }
 
+/// Windows has no fork: no process ever copies this one's threads.
+pub fn fork_generation() -> u64 {
+    0
+}
+
 pub fn page_size() -> usize {
     // SAFETY: GetSystemInfo fills the struct we pass.
     let mut info: SYSTEM_INFO = unsafe { std::mem::zeroed() };

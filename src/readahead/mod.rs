@@ -24,7 +24,7 @@
 //! window and claims in `walk`, the workers and their reads in `worker`, and the provided
 //! memory's calls in `provided`.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -33,6 +33,7 @@ use crate::buffer::{Fresh, TensorBytes};
 use crate::engine::Tally;
 use crate::error::Result;
 use crate::header::TensorInfo;
+use crate::platform;
 use crate::source::{self, ReadOptions, Source};
 use crate::strategy::{self, Strategy};
 
@@ -149,6 +150,8 @@ struct State {
     seconds: f64,
     direct_refused: bool,
     hinted: u64,
+    /// Threads waiting on `cv` now ([`Shared::wait_a_while`]).
+    waiters: usize,
 }
 
 struct Shared {
@@ -170,10 +173,10 @@ struct Shared {
     /// The most bytes one batch claims (see [`worker::batch_limit`]).
     batch_limit: u64,
     stop: AtomicBool,
-    /// The process the workers were started in (0: not started). A child forked while they ran
-    /// has no workers, and its copy of `state` may be locked by a thread it does not have: it
-    /// never touches either.
-    pid: AtomicU32,
+    /// [`platform::fork_generation`] + 1 of the process the workers were started in (0: not
+    /// started). A child forked while they ran has no workers, and its copy of `state` may be
+    /// locked by a thread it does not have: it never touches either.
+    started_in: AtomicU64,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -263,6 +266,7 @@ impl ReadAhead {
             seconds: 0.0,
             direct_refused: false,
             hinted: 0,
+            waiters: 0,
         };
         let batch_limit = worker::batch_limit(&source, mode, &opts);
         let opts = match mode {
@@ -288,7 +292,7 @@ impl ReadAhead {
                 budget,
                 batch_limit,
                 stop: AtomicBool::new(false),
-                pid: AtomicU32::new(0),
+                started_in: AtomicU64::new(0),
                 state: Mutex::new(state),
                 cv: Condvar::new(),
             }),
@@ -340,7 +344,7 @@ impl ReadAhead {
                     };
                     state.held -= size;
                     state.taken += size;
-                    shared.cv.notify_all();
+                    shared.wake(&state);
                     drop(state);
                     let info = &shared.items[index];
                     let (mut read, report) = shared.read_provided(&[info], vec![fresh], poll)?;
@@ -358,7 +362,7 @@ impl ReadAhead {
                     state.slots[index] = Slot::Done;
                     state.held -= size;
                     state.taken += size;
-                    shared.cv.notify_all();
+                    shared.wake(&state);
                     return Ok(None);
                 }
                 // Being read or given a destination; or, in a prefetch (which reads in file
@@ -369,7 +373,7 @@ impl ReadAhead {
                 Slot::Idle => {
                     state.slots[index] = Slot::Done;
                     state.taken += size;
-                    shared.cv.notify_all();
+                    shared.wake(&state);
                     if self.shared.mode == Mode::PageCache {
                         // Page cache: the caller maps it; its pages are read here, beside the
                         // workers' (several callers' threads read in parallel).
@@ -412,7 +416,7 @@ impl ReadAhead {
         let size = shared.items[index].nbytes() as u64;
         state.held -= size;
         state.taken += size;
-        shared.cv.notify_all();
+        shared.wake(&state);
         drop(state);
         // Views of the map were made when the worker got here: handed out only while the file
         // still covers them.
@@ -420,10 +424,10 @@ impl ReadAhead {
         bytes.map(|b| b.checked(name)).transpose()
     }
 
-    /// Whether this is a child forked after the workers started (see [`Shared::pid`]).
+    /// Whether this is a child forked after the workers started (see [`Shared::started_in`]).
     fn forked(&self) -> bool {
-        let pid = self.shared.pid.load(Ordering::Relaxed);
-        pid != 0 && pid != std::process::id()
+        let started_in = self.shared.started_in.load(Ordering::Relaxed);
+        started_in != 0 && started_in != platform::fork_generation() + 1
     }
 
     /// Every tensor was asked for (a `get_tensors()` on a map): read ahead through the whole
@@ -438,8 +442,9 @@ impl ReadAhead {
             state.start = 0;
             self.spawn(&mut state);
         }
-        self.shared.cv.notify_all();
+        self.shared.wake(&state);
     }
+
     /// What the read-ahead has read so far.
     pub fn totals(&self) -> Totals {
         if self.forked() {
@@ -466,6 +471,24 @@ impl ReadAhead {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits on `cv` for at most [`WAIT`], counted in [`State::waiters`] meanwhile.
+    fn wait_a_while<'a>(&'a self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        state.waiters += 1;
+        let (mut state, _) = (self.cv.wait_timeout(state, WAIT)).unwrap_or_else(|p| p.into_inner());
+        state.waiters -= 1;
+        state
+    }
+
+    /// Wakes whoever waits on `cv` (callers for their tensors, workers for room in the window)
+    /// after `state` changed, holding its lock; nothing when nobody waits. A wake is a system
+    /// call, and a loop taking thousands of small tensors the workers have read finds no one
+    /// waiting at almost every take.
+    fn wake(&self, state: &State) {
+        if state.waiters > 0 {
+            self.cv.notify_all();
+        }
     }
 }
 

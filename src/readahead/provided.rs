@@ -81,7 +81,7 @@ impl ReadAhead {
                 }
             }
         }
-        shared.cv.notify_all();
+        shared.wake(&state);
         result
     }
 }

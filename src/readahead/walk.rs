@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use crate::buffer::Fresh;
 use crate::error::{Error, Result};
 
-use super::{Mode, Shared, Slot, State, WAIT};
+use super::{Mode, Shared, Slot, State};
 
 impl Shared {
     /// Waits a while for the workers, then checks for cancellation. `poll` may wait for the
@@ -18,11 +18,7 @@ impl Shared {
         state: MutexGuard<'a, State>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<MutexGuard<'a, State>> {
-        let (next, _) = self
-            .cv
-            .wait_timeout(state, WAIT)
-            .unwrap_or_else(|p| p.into_inner());
-        drop(next);
+        drop(self.wait_a_while(state));
         if poll() {
             return Err(Error::Cancelled);
         }

@@ -13,7 +13,7 @@ use crate::platform;
 use crate::source::{self, ReadOptions, Source};
 use crate::strategy::Strategy;
 
-use super::{BATCH_WORKERS, Mode, ReadAhead, Shared, Slot, State, WAIT};
+use super::{BATCH_WORKERS, Mode, ReadAhead, Shared, Slot, State};
 
 /// Page-cache hints are given this many bytes at a time.
 const PREFETCH_BYTES: u64 = 16 << 20;
@@ -71,7 +71,7 @@ impl ReadAhead {
 
     pub(super) fn spawn(&self, state: &mut MutexGuard<'_, State>) {
         state.started = true;
-        self.shared.pid.store(std::process::id(), Ordering::Relaxed);
+        (self.shared.started_in).store(platform::fork_generation() + 1, Ordering::Relaxed);
         let count = match self.shared.mode {
             Mode::Owned(_) | Mode::Provided => BATCH_WORKERS,
             // Populating waits for its pages: several in flight keep the disk's queue full.
@@ -147,11 +147,7 @@ impl Shared {
                     if state.scanned >= state.slots.len() {
                         return;
                     }
-                    state = self
-                        .cv
-                        .wait_timeout(state, WAIT)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    state = self.wait_a_while(state);
                 }
             };
             let (batch, dests): (Vec<usize>, Vec<Option<Fresh>>) = batch.into_iter().unzip();
@@ -183,7 +179,7 @@ impl Shared {
                     }
                 }
             }
-            self.cv.notify_all();
+            self.wake(&state);
         }
     }
 
