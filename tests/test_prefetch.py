@@ -124,7 +124,10 @@ def test_rank_plans_read_only_their_rows(write_st, backend):
                     expected += want.nbytes if ref[name].dtype != torch.float4_e2m1fn_x2 else want.numel()
                     assert_tensor_equal(loader.take(name), want, f"{name} rank {rank}")
                     assert loader.held_bytes <= budget
-                assert loader.bytes_read == expected
+                # A map of a file in the page cache (this one, just written) reads nothing: its
+                # views need no read-ahead, as get_tensors' need none (the handle's stats say 0).
+                mapped = f.stats.backend == "mmap" and _safeload._testing.residency(path)[0] >= 0.99
+                assert loader.bytes_read == (0 if mapped else expected)
 
 
 def test_budget_bounds_what_is_held(write_st):

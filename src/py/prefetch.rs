@@ -120,14 +120,18 @@ impl Prefetch {
     }
 
     /// Reads item `i` on the calling thread (the read-ahead has not reached it): owned memory,
-    /// or a view of the map.
+    /// or a view of the map (made holding the GIL: it reads nothing).
     fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
         let item = &self.ahead.items()[i];
         let s: &Source = &self.source;
         let (strategy, opts) = (self.strategy, self.opts);
-        let (mut read, report) = detached(py, |poll| {
+        let read = |poll: &mut dyn FnMut() -> bool| {
             source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
-        })?;
+        };
+        let (mut read, report) = match strategy {
+            Strategy::Mmap => read(&mut || false)?,
+            _ => detached(py, read)?,
+        };
         self.read_by_takes
             .fetch_add(report.bytes, Ordering::Relaxed);
         self.tally.add(strategy, &report);
@@ -192,6 +196,8 @@ impl Prefetch {
             }
             let taken = match self.ahead.take_ready(i) {
                 Some(ready) => ready?,
+                // Nothing read ahead (a resident file's map): the view, made now.
+                None if !self.ahead.reads() => None,
                 None => detached(py, |poll| self.ahead.take(i, true, poll))?,
             };
             if let Some(bytes) = &taken

@@ -165,6 +165,9 @@ struct Shared {
     budget: u64,
     /// The window before anything was taken.
     first_window: u64,
+    /// Page cache: whether pages are made resident at all (not for a prefetch of a file that is
+    /// resident already, whose views need nothing; see [`ReadAhead::eager`]).
+    populate: bool,
     /// A prefetch ([`ReadAhead::eager`]): a request for a tensor the walk will reach within
     /// the window waits for it, so the file is read in file order whatever the request order.
     eager: bool,
@@ -232,11 +235,20 @@ impl ReadAhead {
         opts: ReadOptions,
         budget: u64,
     ) -> ReadAhead {
-        let ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
-        if !ahead.shared.items.is_empty() {
-            let mut state = ahead.shared.lock();
+        // A resident file's pages are there: views of them need no worker and no populate
+        // (the rule every mapped read follows, [`strategy::populate_ahead`]); its takes map.
+        let populate = mode != Mode::PageCache || strategy::populate_ahead(source.cached());
+        let mut ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
+        Arc::get_mut(&mut ahead.shared)
+            .expect("not shared yet")
+            .populate = populate;
+        let mut state = ahead.shared.lock();
+        if !populate {
+            state.started = true; // and nothing runs: every take maps its own view
+        } else if !ahead.shared.items.is_empty() {
             ahead.spawn(&mut state);
         }
+        drop(state);
         ahead
     }
 
@@ -285,6 +297,7 @@ impl ReadAhead {
                 tally,
                 items,
                 first_window,
+                populate: true,
                 eager,
                 running: AtomicUsize::new(0),
                 mode,
@@ -298,6 +311,11 @@ impl ReadAhead {
             }),
             workers: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Whether anything is read ahead at all (not for a prefetch of a resident file's map).
+    pub fn reads(&self) -> bool {
+        self.shared.populate
     }
 
     pub fn mode(&self) -> Mode {
@@ -374,7 +392,7 @@ impl ReadAhead {
                     state.slots[index] = Slot::Done;
                     state.taken += size;
                     shared.wake(&state);
-                    if self.shared.mode == Mode::PageCache {
+                    if self.shared.mode == Mode::PageCache && shared.populate {
                         // Page cache: the caller maps it; its pages are read here, beside the
                         // workers' (several callers' threads read in parallel).
                         drop(state);
