@@ -235,15 +235,9 @@ impl ReadAhead {
         opts: ReadOptions,
         budget: u64,
     ) -> ReadAhead {
-        // A resident file's pages are there: views of them need no worker and no populate
-        // (the rule every mapped read follows, [`strategy::populate_ahead`]); its takes map.
-        let populate = mode != Mode::PageCache || strategy::populate_ahead(source.cached());
-        let mut ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
-        Arc::get_mut(&mut ahead.shared)
-            .expect("not shared yet")
-            .populate = populate;
+        let ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
         let mut state = ahead.shared.lock();
-        if !populate {
+        if !ahead.shared.populate {
             state.started = true; // and nothing runs: every take maps its own view
         } else if !ahead.shared.items.is_empty() {
             ahead.spawn(&mut state);
@@ -280,6 +274,11 @@ impl ReadAhead {
             hinted: 0,
             waiters: 0,
         };
+        // A resident file's pages are there: views of them need no worker and no populate (the
+        // rule every mapped read follows, [`strategy::populate_ahead`]). A handle's own
+        // read-ahead is not made for such a file at all; a prefetch's is, and its takes map.
+        let populate =
+            !eager || mode != Mode::PageCache || strategy::populate_ahead(source.cached());
         let batch_limit = worker::batch_limit(&source, mode, &opts);
         let opts = match mode {
             Mode::Owned(_) | Mode::Provided => {
@@ -297,7 +296,7 @@ impl ReadAhead {
                 tally,
                 items,
                 first_window,
-                populate: true,
+                populate,
                 eager,
                 running: AtomicUsize::new(0),
                 mode,

@@ -71,7 +71,8 @@ impl ReadAhead {
 
     pub(super) fn spawn(&self, state: &mut MutexGuard<'_, State>) {
         state.started = true;
-        (self.shared.started_in).store(platform::fork_generation() + 1, Ordering::Relaxed);
+        let generation = platform::fork_generation() + 1;
+        self.shared.started_in.store(generation, Ordering::Relaxed);
         let count = match self.shared.mode {
             Mode::Owned(_) | Mode::Provided => BATCH_WORKERS,
             // Populating waits for its pages: several in flight keep the disk's queue full.
