@@ -201,7 +201,7 @@ impl TensorBytes {
 
     /// These bytes as they may be handed out now: a view of a file's map that the file no
     /// longer covers (it shrank under the map since the view was made, so a touch would raise
-    /// SIGBUS) is an error naming the file and `tensor`. One `fstat` for a view of a map;
+    /// SIGBUS) is an error naming the file and `tensor`. One `lseek` for a view of a map;
     /// nothing for memory of our own.
     pub fn checked(self, tensor: &str) -> crate::error::Result<TensorBytes> {
         let Some(Region::Map {
@@ -210,7 +210,7 @@ impl TensorBytes {
         else {
             return Ok(self);
         };
-        let len = file.metadata().map_or(0, |m| m.len());
+        let len = crate::platform::file_len(file).unwrap_or(0);
         if len >= (self.offset + self.len) as u64 {
             return Ok(self);
         }

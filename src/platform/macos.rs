@@ -13,7 +13,8 @@ use super::FsKind;
 use super::Uncached;
 
 pub use super::unix::{
-    cached_fraction, fork_generation, page_size, read_at, read_vectored_at, unmap_anonymous,
+    cached_fraction, file_len, fork_generation, page_size, read_at, read_vectored_at,
+    unmap_anonymous,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;

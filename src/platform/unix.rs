@@ -56,6 +56,17 @@ pub fn fork_generation() -> u64 {
     }
 }
 
+pub fn file_len(file: &File) -> io::Result<u64> {
+    // SAFETY: lseek on a descriptor we own; it moves only the descriptor's offset, which no
+    // read of this crate uses (every read is positional).
+    let end = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_END) };
+    if end < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(end as u64)
+    }
+}
+
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

@@ -197,6 +197,10 @@ pub fn fork_generation() -> u64 {
     0
 }
 
+pub fn file_len(file: &File) -> io::Result<u64> {
+    Ok(file.metadata()?.len())
+}
+
 pub fn page_size() -> usize {
     // SAFETY: GetSystemInfo fills the struct we pass.
     let mut info: SYSTEM_INFO = unsafe { std::mem::zeroed() };

@@ -3,7 +3,6 @@
 //! loader is made, and handed over by `take` (each once); the Python `PrefetchLoader` makes
 //! framework tensors of what it gets.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -56,6 +55,9 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
     Ok(out)
 }
 
+/// [`Prefetch::item_of`] of a tensor the plan does not take.
+const NOT_PLANNED: usize = usize::MAX;
+
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Prefetch {
     /// Keeps the file open: a loader may outlive its handle.
@@ -66,7 +68,9 @@ pub struct Prefetch {
     /// Reads of items the read-ahead has not reached.
     strategy: Strategy,
     opts: ReadOptions,
-    index: HashMap<String, usize>,
+    /// The item of each of the header's tensors (by position in file order), `NOT_PLANNED`
+    /// where the plan left it out: a take finds its item through the header's own name index.
+    item_of: Vec<usize>,
     delivered: Mutex<Vec<bool>>,
     closed: AtomicBool,
     budget: u64,
@@ -86,11 +90,14 @@ impl Prefetch {
         budget: u64,
     ) -> Result<Prefetch, Error> {
         let items = prefetch::items(&source.header, plan.as_deref())?;
-        let index = items
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let mut item_of = vec![NOT_PLANNED; source.header.tensors.len()];
+        for (i, t) in items.iter().enumerate() {
+            let at = source
+                .header
+                .index_of(&t.name)
+                .expect("planned from the header");
+            item_of[at] = i;
+        }
         let n = items.len();
         let mode = if provided {
             Mode::Provided
@@ -104,7 +111,7 @@ impl Prefetch {
             ahead,
             strategy,
             opts,
-            index,
+            item_of,
             delivered: Mutex::new(vec![false; n]),
             closed: AtomicBool::new(false),
             budget,
@@ -173,7 +180,8 @@ impl Prefetch {
         importer: Option<PyRef<'_, Importer>>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
-        let Some(&i) = self.index.get(name) else {
+        let planned = (self.source.header.index_of(name)).map(|at| self.item_of[at]);
+        let Some(i) = planned.filter(|&i| i != NOT_PLANNED) else {
             return Err(PyErr::from(Error::Prefetch(format!(
                 "{name} is not in the prefetch plan of {}",
                 self.source.path.display()
