@@ -206,13 +206,18 @@ impl Shared {
         Ok((dests.into_iter().map(Fresh::into_shared).collect(), report))
     }
 
-    /// Makes data bytes `[begin, end)` resident in the file's map where the OS can (the pages
-    /// are read and mapped, so the caller's touches do not fault), else hints them to the page
-    /// cache; 16 MiB at a time, until stopped. Errors (a file cut short) are left to the touch.
+    /// [`Shared::populate_span`] of one tensor's bytes.
     pub(super) fn populate(&self, info: &TensorInfo) {
-        let (begin, end) = (info.begin, info.end);
+        self.populate_span(&info.name, info.begin, info.end);
+    }
+
+    /// Makes data bytes `[begin, end)` (`tensor`'s, and maybe those of the tensors after it)
+    /// resident in the file's map where the OS can (the pages are read and mapped, so the
+    /// caller's touches do not fault), else hints them to the page cache; 16 MiB at a time,
+    /// until stopped. Errors (a file cut short) are left to the touch.
+    fn populate_span(&self, tensor: &str, begin: usize, end: usize) {
         let source = &*self.source;
-        let span = source.map_span_to_populate(&info.name, begin, end);
+        let span = source.map_span_to_populate(tensor, begin, end);
         let (Ok(span), Some(file)) = (span, source.backing.file()) else {
             return;
         };
@@ -259,8 +264,8 @@ impl Shared {
                 Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
             }
             Mode::PageCache => {
-                for t in infos {
-                    self.populate(t);
+                for (first, begin, end) in spans(infos) {
+                    self.populate_span(first, begin, end);
                 }
                 Ok((
                     infos.iter().map(|_| None).collect(),
@@ -269,6 +274,22 @@ impl Shared {
             }
         }
     }
+}
+
+/// The data spans `[begin, end)` of `infos` (in file order), tensors that follow each other in
+/// the file joined into one, each with the name of its first tensor: a batch of thousands of small
+/// tensors is made resident with a few system calls, not two for each tensor (measured: cold
+/// `load_file` of 20,000 tensors, 0.13 GiB, 265 -> 174 ms). A gap (a tensor left out of a plan,
+/// rows not asked for) is not read.
+fn spans<'a>(infos: &[&'a TensorInfo]) -> Vec<(&'a str, usize, usize)> {
+    let mut out: Vec<(&str, usize, usize)> = Vec::new();
+    for t in infos {
+        match out.last_mut() {
+            Some((_, _, end)) if t.begin <= *end => *end = (*end).max(t.end),
+            _ => out.push((&t.name, t.begin, t.end)),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -293,5 +314,32 @@ mod tests {
         ahead.want_all();
         assert!(ahead.take(last, true, &mut || false).unwrap().is_none());
         remove(&path, source, ahead);
+    }
+
+    #[test]
+    fn tensors_that_follow_each_other_are_one_span() {
+        let info = |name: &str, begin, end| crate::header::TensorInfo {
+            name: name.into(),
+            dtype: crate::dtype::Dtype::U8,
+            shape: vec![end - begin],
+            begin,
+            end,
+        };
+        let ts = [
+            info("a", 0, 8),
+            info("b", 8, 20),
+            info("empty", 20, 20),
+            info("c", 20, 24),
+            info("d", 32, 40), // after a gap of 8 bytes no one asked for
+            info("e", 40, 48),
+            info("f", 64, 72),
+        ];
+        let infos: Vec<_> = ts.iter().collect();
+        assert_eq!(
+            super::spans(&infos),
+            [("a", 0, 24), ("d", 32, 48), ("f", 64, 72)]
+        );
+        assert_eq!(super::spans(&infos[4..5]), [("d", 32, 40)]);
+        assert!(super::spans(&[]).is_empty());
     }
 }
