@@ -173,7 +173,7 @@ impl Source {
     }
 
     /// [`Source::map_tensor`] of several tensors, the file's length checked once for them all
-    /// (one `fstat`, against the furthest end: see [`Source::map_span`]).
+    /// (one `lseek`, against the furthest end: see [`Source::map_span`]).
     pub fn map_tensors(&self, infos: &[&TensorInfo]) -> Result<Vec<TensorBytes>> {
         let furthest = infos
             .iter()
