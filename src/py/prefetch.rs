@@ -180,7 +180,7 @@ impl Prefetch {
         importer: Option<PyRef<'_, Importer>>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
-        let planned = (self.source.header.index_of(name)).map(|at| self.item_of[at]);
+        let planned = self.source.header.index_of(name).map(|at| self.item_of[at]);
         let Some(i) = planned.filter(|&i| i != NOT_PLANNED) else {
             return Err(PyErr::from(Error::Prefetch(format!(
                 "{name} is not in the prefetch plan of {}",
