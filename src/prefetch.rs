@@ -101,6 +101,43 @@ fn item(info: &TensorInfo, rows: Rows) -> Result<TensorInfo> {
     })
 }
 
+/// Which of a loader's items were handed over (each is, once), and where the first one not
+/// handed over may be: iteration asks for it once a tensor, and finds it without scanning the
+/// items before it again.
+pub struct Handovers {
+    done: Vec<bool>,
+    /// No item before this one is pending.
+    first: usize,
+}
+
+impl Handovers {
+    pub fn new(n: usize) -> Handovers {
+        Handovers {
+            done: vec![false; n],
+            first: 0,
+        }
+    }
+
+    /// Marks item `i` handed over; false when it already was.
+    pub fn claim(&mut self, i: usize) -> bool {
+        !std::mem::replace(&mut self.done[i], true)
+    }
+
+    /// Item `i` was not handed over after all (its take failed).
+    pub fn release(&mut self, i: usize) {
+        self.done[i] = false;
+        self.first = self.first.min(i);
+    }
+
+    /// The first item in file order not handed over yet.
+    pub fn first_pending(&mut self) -> Option<usize> {
+        while self.done.get(self.first) == Some(&true) {
+            self.first += 1;
+        }
+        (self.first < self.done.len()).then_some(self.first)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +206,22 @@ mod tests {
         let empty: [(String, Rows); 0] = [];
         let err = items(&header(), Some(&empty)).unwrap_err().to_string();
         assert!(err.contains("selects no tensors"), "{err}");
+    }
+
+    #[test]
+    fn handovers_are_once_each_and_iteration_resumes_at_a_release() {
+        let mut h = Handovers::new(4);
+        assert!(h.claim(1));
+        assert!(!h.claim(1));
+        assert_eq!(h.first_pending(), Some(0));
+        assert!(h.claim(0));
+        assert_eq!(h.first_pending(), Some(2));
+        assert!(h.claim(2) && h.claim(3));
+        assert_eq!(h.first_pending(), None);
+        // A take that failed: the item is pending again, though iteration had passed it.
+        h.release(1);
+        assert_eq!(h.first_pending(), Some(1));
+        assert!(h.claim(1));
+        assert_eq!(h.first_pending(), None);
     }
 }

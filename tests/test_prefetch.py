@@ -20,6 +20,7 @@ import safeload
 from safeload import SafetensorError, _device, _prefetch, _safeload
 
 from conftest import (
+    CUT_OFF,
     assert_cut_tensors_raise,
     assert_tensor_equal,
     cut_last_tensors,
@@ -227,6 +228,25 @@ def test_file_cut_short_under_the_loader_raises(write_st):
         cut_last_tensors(path)
         with f.prefetch() as loader:
             assert_cut_tensors_raise(loader.take, names, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iteration_stops_at_a_tensor_cut_off_and_does_not_skip_it(write_st, backend):
+    path, ref = file_to_cut(write_st)
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        names = f.offset_keys()
+        cut_last_tensors(path)
+        with f.prefetch() as loader:
+            got = {}
+            with pytest.raises(SafetensorError, match=names[-CUT_OFF]):
+                for name, t in loader:
+                    got[name] = t
+            assert list(got) == names[:-CUT_OFF]
+            for name, t in got.items():
+                assert_tensor_equal(t, ref[name], name)
+            # The tensor whose take failed was not handed over: iteration asks for it again.
+            with pytest.raises(SafetensorError, match=names[-CUT_OFF]):
+                next(iter(loader))
 
 
 def test_cuda_through_pinned_staging(write_st, monkeypatch):

@@ -106,19 +106,24 @@ class PrefetchLoader:
 
     def take(self, name: str) -> Any:
         """The tensor (or the planned rows of it), waiting for its bytes."""
-        got = self._native.take(name, self._allocate, self._importer)
+        return self._tensor(self._native.take(name, self._allocate, self._importer))
+
+    def __iter__(self) -> Iterator[Tuple[str, Any]]:
+        """``(name, tensor)`` in file order, skipping tensors already taken."""
+        take_next = self._native.take_next
+        while True:
+            got = take_next(self._allocate, self._importer)
+            if got is None:
+                return
+            yield got[0], self._tensor(got[1])
+
+    def _tensor(self, got: Any) -> Any:
+        """The tensor of what the core handed over."""
         if not isinstance(got, tuple):  # made by the core, or read into a destination made here
             return _to_device(got, self._device) if self._staged else got
         name, code, shape, data = got
         tensor = self._convert(code, shape, data, name)
         return tensor if self._device is None else tensor.to(self._device)
-
-    def __iter__(self) -> Iterator[Tuple[str, Any]]:
-        while True:
-            name = self._native.pending()
-            if name is None:
-                return
-            yield name, self.take(name)
 
     def close(self) -> None:
         """Stops reading and frees what was not taken; tensors handed out keep their memory."""

@@ -13,9 +13,9 @@ use super::args::TensorTuple;
 use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::provided;
-use crate::engine::Tally;
+use crate::engine::{Report, Tally};
 use crate::error::Error;
-use crate::prefetch::{self, Rows};
+use crate::prefetch::{self, Handovers, Rows};
 use crate::readahead::{Mode, ReadAhead};
 use crate::source::{self, ReadOptions, Source};
 use crate::strategy::Strategy;
@@ -71,7 +71,7 @@ pub struct Prefetch {
     /// The item of each of the header's tensors (by position in file order), `NOT_PLANNED`
     /// where the plan left it out: a take finds its item through the header's own name index.
     item_of: Vec<usize>,
-    delivered: Mutex<Vec<bool>>,
+    delivered: Mutex<Handovers>,
     closed: AtomicBool,
     budget: u64,
     /// Bytes read by takes the read-ahead had not reached.
@@ -112,7 +112,7 @@ impl Prefetch {
             strategy,
             opts,
             item_of,
-            delivered: Mutex::new(vec![false; n]),
+            delivered: Mutex::new(Handovers::new(n)),
             closed: AtomicBool::new(false),
             budget,
             read_by_takes: AtomicU64::new(0),
@@ -126,75 +126,23 @@ impl Prefetch {
         Ok(())
     }
 
-    /// Reads item `i` on the calling thread (the read-ahead has not reached it): owned memory,
-    /// or a view of the map (made holding the GIL: it reads nothing).
-    fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
-        let item = &self.ahead.items()[i];
-        let s: &Source = &self.source;
-        let (strategy, opts) = (self.strategy, self.opts);
-        let read = |poll: &mut dyn FnMut() -> bool| {
-            source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
-        };
-        let (mut read, report) = match strategy {
-            Strategy::Mmap => read(&mut || false)?,
-            _ => detached(py, read)?,
-        };
-        self.read_by_takes
-            .fetch_add(report.bytes, Ordering::Relaxed);
-        self.tally.add(strategy, &report);
-        Ok(Bytes::new(read.pop().expect("one item, one read").0))
-    }
-}
-
-#[pymethods]
-impl Prefetch {
-    /// The names in the plan, in file order.
-    fn names(&self) -> Vec<String> {
-        self.ahead.items().iter().map(|t| t.name.clone()).collect()
+    fn lock_delivered(&self) -> std::sync::MutexGuard<'_, Handovers> {
+        self.delivered.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn __len__(&self) -> usize {
-        self.ahead.items().len()
-    }
-
-    /// The first name in file order not taken yet (iteration), or None.
-    fn pending(&self) -> PyResult<Option<String>> {
-        self.check_open()?;
-        let delivered = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(delivered
-            .iter()
-            .position(|d| !d)
-            .map(|i| self.ahead.items()[i].name.clone()))
-    }
-
-    /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
-    /// not reached them). Returns (name, dtype code, shape, bytes), the tensor `importer` makes
-    /// of them where it makes that dtype, or the tensor `allocate` made for it when the loader
-    /// reads into provided destinations (see `Handle.take_into`).
-    #[pyo3(signature = (name, allocate=None, importer=None))]
-    fn take(
+    /// Item `i`, handed over once: see `take`.
+    fn take_item(
         &self,
         py: Python<'_>,
-        name: &str,
+        i: usize,
         allocate: Option<Bound<'_, PyAny>>,
         importer: Option<PyRef<'_, Importer>>,
     ) -> PyResult<Py<PyAny>> {
-        self.check_open()?;
-        let planned = self.source.header.index_of(name).map(|at| self.item_of[at]);
-        let Some(i) = planned.filter(|&i| i != NOT_PLANNED) else {
+        if !self.lock_delivered().claim(i) {
             return Err(PyErr::from(Error::Prefetch(format!(
-                "{name} is not in the prefetch plan of {}",
-                self.source.path.display()
+                "{} was already delivered by this PrefetchLoader",
+                self.ahead.items()[i].name
             ))));
-        };
-        {
-            let mut delivered = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
-            if delivered[i] {
-                return Err(PyErr::from(Error::Prefetch(format!(
-                    "{name} was already delivered by this PrefetchLoader"
-                ))));
-            }
-            delivered[i] = true;
         }
         let result = (|| {
             if let Some(allocate) = &allocate
@@ -228,9 +176,79 @@ impl Prefetch {
             Ok(tuple.into_pyobject(py)?.into_any().unbind())
         })();
         if result.is_err() {
-            self.delivered.lock().unwrap_or_else(|p| p.into_inner())[i] = false;
+            self.lock_delivered().release(i);
         }
         result
+    }
+
+    /// Reads item `i` on the calling thread (the read-ahead has not reached it): a view of the
+    /// map (made holding the GIL: it reads nothing), or owned memory.
+    fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
+        let item = &self.ahead.items()[i];
+        if self.strategy == Strategy::Mmap {
+            self.tally.add(Strategy::Mmap, &Report::default());
+            return Ok(Bytes::new(self.source.map_tensor(item)?));
+        }
+        let (s, strategy, opts) = (&*self.source, self.strategy, self.opts);
+        let (mut read, report) = detached(py, |poll| {
+            source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
+        })?;
+        self.read_by_takes
+            .fetch_add(report.bytes, Ordering::Relaxed);
+        self.tally.add(strategy, &report);
+        Ok(Bytes::new(read.pop().expect("one item, one read").0))
+    }
+}
+
+#[pymethods]
+impl Prefetch {
+    /// The names in the plan, in file order.
+    fn names(&self) -> Vec<String> {
+        self.ahead.items().iter().map(|t| t.name.clone()).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.ahead.items().len()
+    }
+
+    /// The first item in file order not taken yet, taken (iteration): `(name, what take
+    /// returns)`, or None when every item was taken.
+    #[pyo3(signature = (allocate=None, importer=None))]
+    fn take_next(
+        &self,
+        py: Python<'_>,
+        allocate: Option<Bound<'_, PyAny>>,
+        importer: Option<PyRef<'_, Importer>>,
+    ) -> PyResult<Option<(String, Py<PyAny>)>> {
+        self.check_open()?;
+        let Some(i) = self.lock_delivered().first_pending() else {
+            return Ok(None);
+        };
+        let tensor = self.take_item(py, i, allocate, importer)?;
+        Ok(Some((self.ahead.items()[i].name.clone(), tensor)))
+    }
+
+    /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
+    /// not reached them). Returns (name, dtype code, shape, bytes), the tensor `importer` makes
+    /// of them where it makes that dtype, or the tensor `allocate` made for it when the loader
+    /// reads into provided destinations (see `Handle.take_into`).
+    #[pyo3(signature = (name, allocate=None, importer=None))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        allocate: Option<Bound<'_, PyAny>>,
+        importer: Option<PyRef<'_, Importer>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_open()?;
+        let planned = self.source.header.index_of(name).map(|at| self.item_of[at]);
+        let Some(i) = planned.filter(|&i| i != NOT_PLANNED) else {
+            return Err(PyErr::from(Error::Prefetch(format!(
+                "{name} is not in the prefetch plan of {}",
+                self.source.path.display()
+            ))));
+        };
+        self.take_item(py, i, allocate, importer)
     }
 
     /// Stops reading ahead and frees what was not taken; tensors handed out keep their memory.

@@ -166,10 +166,11 @@ impl Source {
     /// Bytes of a tensor as a view of a private (copy-on-write) map of the file: lazy, zero-copy.
     /// Falls back to a copy when the tensor is not aligned to its element size in the file.
     pub fn map_tensor(&self, info: &TensorInfo) -> Result<TensorBytes> {
-        Ok(self
-            .map_tensors(&[info])?
-            .pop()
-            .expect("one tensor, one view"))
+        if info.nbytes() == 0 {
+            return Ok(TensorBytes::empty());
+        }
+        let span = self.map_span(&info.name, info.begin, info.end)?;
+        self.view(span.region().expect("a view of the map"), info)
     }
 
     /// [`Source::map_tensor`] of several tensors, the file's length checked once for them all
