@@ -6,6 +6,7 @@ equality check come from the file itself, not from the samples."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -78,3 +79,39 @@ def test_load_model_contenders_fill_a_module_shaped_like_the_file(tmp_path):
         assert (list(missing), list(unexpected)) == ([], [])
         for k, v in tensors.items():
             assert torch.equal(module.state_dict()[k], torch.from_numpy(v)), (load_model, k)
+
+
+def _present_pages(address, pages):
+    """Which of the ``pages`` pages from ``address`` are mapped in (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(address, pages * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
+    return {i for i in range(pages) if vec[i] & 1}
+
+
+def test_touch_reads_every_page_a_tensor_lies_on(tmp_path):
+    """``bench.touch``, which every contender's time includes (a lazy map's first use): the
+    pages each tensor's bytes lie on become present, small tensors (a byte at a time) and large
+    ones (a strided sum), unaligned starts and ends included; no page besides."""
+    import ctypes
+
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    page, pages = mmap.PAGESIZE, 128
+    buf = mmap.mmap(-1, pages * page)  # anonymous and never touched: no page is present
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert _present_pages(address, pages) == set()
+    # (offset, bytes): inside one page, across a page boundary, several pages from mid-page,
+    # large (past the bytewise limit) ending one byte into a page, empty; gaps left between.
+    spans = [(10, 1), (2 * page - 3, 7), (5 * page + 100, 3 * page), (20 * page + 8, 80 * page + 1),
+             (110 * page, 0)]
+    tensors = [torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=o) if n else torch.empty(0)
+               for o, n in spans]
+    bench._touch(dict(enumerate(tensors)))
+    expected = {p for o, n in spans if n for p in range(o // page, (o + n - 1) // page + 1)}
+    assert _present_pages(address, pages) == expected
+    del tensors
