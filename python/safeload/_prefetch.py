@@ -19,6 +19,7 @@ in file order, by its worker pool, from the moment the loader is made, with at m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _device, _mps
@@ -106,22 +107,19 @@ class PrefetchLoader:
 
     def take(self, name: str) -> Any:
         """The tensor (or the planned rows of it), waiting for its bytes."""
-        return self._tensor(self._native.take(name, self._allocate, self._importer))
+        got = self._native.take(name, self._allocate, self._importer, self._converted)
+        return _to_device(got, self._device) if self._staged else got
 
     def __iter__(self) -> Iterator[Tuple[str, Any]]:
-        """``(name, tensor)`` in file order, skipping tensors already taken."""
-        take_next = self._native.take_next
-        while True:
-            got = take_next(self._allocate, self._importer)
-            if got is None:
-                return
-            yield got[0], self._tensor(got[1])
+        """``(name, tensor)`` in file order, skipping tensors already taken: each step one call
+        of the core, with no Python frame between (``iter(callable, None)``)."""
+        pairs = iter(partial(self._native.take_next, self._allocate, self._importer, self._converted), None)
+        if not self._staged:
+            return pairs
+        return ((name, _to_device(staged, self._device)) for name, staged in pairs)
 
-    def _tensor(self, got: Any) -> Any:
-        """The tensor of what the core handed over."""
-        if not isinstance(got, tuple):  # made by the core, or read into a destination made here
-            return _to_device(got, self._device) if self._staged else got
-        name, code, shape, data = got
+    def _converted(self, name: str, code: str, shape: List[int], data: Any) -> Any:
+        """The tensor of bytes the core handed over (a dtype its importer does not make)."""
         tensor = self._convert(code, shape, data, name)
         return tensor if self._device is None else tensor.to(self._device)
 

@@ -157,12 +157,14 @@ class Prefetch:
         self,
         allocate: Optional[Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]] = None,
         importer: Optional[Importer] = None,
+        convert: Optional[Callable[[str, str, List[int], Any], Any]] = None,
     ) -> Optional[Tuple[str, Any]]: ...
     def take(
         self,
         name: str,
         allocate: Optional[Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]] = None,
         importer: Optional[Importer] = None,
+        convert: Optional[Callable[[str, str, List[int], Any], Any]] = None,
     ) -> Any: ...
     def close(self) -> None: ...
     @property

@@ -55,6 +55,13 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
     Ok(out)
 }
 
+/// What makes a take's tensor: `allocate`, `importer` and `convert` of [`Prefetch::take`].
+type Makers<'py> = (
+    Option<Bound<'py, PyAny>>,
+    Option<PyRef<'py, Importer>>,
+    Option<Bound<'py, PyAny>>,
+);
+
 /// [`Prefetch::item_of`] of a tensor the plan does not take.
 const NOT_PLANNED: usize = usize::MAX;
 
@@ -135,8 +142,7 @@ impl Prefetch {
         &self,
         py: Python<'_>,
         i: usize,
-        allocate: Option<Bound<'_, PyAny>>,
-        importer: Option<PyRef<'_, Importer>>,
+        (allocate, importer, convert): Makers<'_>,
     ) -> PyResult<Py<PyAny>> {
         if !self.lock_delivered().claim(i) {
             return Err(PyErr::from(Error::Prefetch(format!(
@@ -173,7 +179,10 @@ impl Prefetch {
                 return Ok(tensor.unbind());
             }
             let tuple: TensorTuple = (item.name.clone(), code, item.shape.clone(), bytes);
-            Ok(tuple.into_pyobject(py)?.into_any().unbind())
+            match &convert {
+                Some(convert) => Ok(convert.call1(tuple)?.unbind()),
+                None => Ok(tuple.into_pyobject(py)?.into_any().unbind()),
+            }
         })();
         if result.is_err() {
             self.lock_delivered().release(i);
@@ -213,32 +222,35 @@ impl Prefetch {
 
     /// The first item in file order not taken yet, taken (iteration): `(name, what take
     /// returns)`, or None when every item was taken.
-    #[pyo3(signature = (allocate=None, importer=None))]
+    #[pyo3(signature = (allocate=None, importer=None, convert=None))]
     fn take_next(
         &self,
         py: Python<'_>,
         allocate: Option<Bound<'_, PyAny>>,
         importer: Option<PyRef<'_, Importer>>,
+        convert: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Option<(String, Py<PyAny>)>> {
         self.check_open()?;
         let Some(i) = self.lock_delivered().first_pending() else {
             return Ok(None);
         };
-        let tensor = self.take_item(py, i, allocate, importer)?;
+        let tensor = self.take_item(py, i, (allocate, importer, convert))?;
         Ok(Some((self.ahead.items()[i].name.clone(), tensor)))
     }
 
     /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
-    /// not reached them). Returns (name, dtype code, shape, bytes), the tensor `importer` makes
-    /// of them where it makes that dtype, or the tensor `allocate` made for it when the loader
-    /// reads into provided destinations (see `Handle.take_into`).
-    #[pyo3(signature = (name, allocate=None, importer=None))]
+    /// not reached them). Returns the tensor `allocate` made for it when the loader reads into
+    /// provided destinations (see `Handle.take_into`), else the tensor `importer` makes of the
+    /// bytes where it makes that dtype, else `convert(name, dtype code, shape, bytes)` (that
+    /// tuple without `convert`).
+    #[pyo3(signature = (name, allocate=None, importer=None, convert=None))]
     fn take(
         &self,
         py: Python<'_>,
         name: &str,
         allocate: Option<Bound<'_, PyAny>>,
         importer: Option<PyRef<'_, Importer>>,
+        convert: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let planned = self.source.header.index_of(name).map(|at| self.item_of[at]);
@@ -248,7 +260,7 @@ impl Prefetch {
                 self.source.path.display()
             ))));
         };
-        self.take_item(py, i, allocate, importer)
+        self.take_item(py, i, (allocate, importer, convert))
     }
 
     /// Stops reading ahead and frees what was not taken; tensors handed out keep their memory.
