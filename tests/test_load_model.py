@@ -3,6 +3,8 @@ results as safetensors 0.8's ``load_model`` (values, ``(missing, unexpected)``, 
 tied weights), storages unchanged, dtypes converted bit-exact with torch, and a copy (never a
 wrong value) for whatever cannot take a direct read."""
 
+import gc
+
 import pytest
 import torch
 import safetensors.torch as st
@@ -162,6 +164,26 @@ def test_shape_mismatch_raises_before_touching_the_model(saved):
     with pytest.raises(RuntimeError, match="size mismatch for body.0.weight"):
         sl.load_model(model, path)
     assert state_bytes(model) == before
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cycle_collector_is_left_as_it_was(saved, enabled):
+    """load_model holds Python's cycle collector off while it works (its objects make no
+    cycles) and leaves it as the caller had it, after a load and after an error."""
+    src, path = saved
+    mismatched = Net()
+    mismatched.body[0] = torch.nn.Linear(16, 25)
+    try:
+        gc.enable() if enabled else gc.disable()
+        model = fresh(2)
+        assert sl.load_model(model, path) == st.load_model(fresh(2), path)
+        assert gc.isenabled() == enabled
+        assert state_bytes(model) == state_bytes(src)
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            sl.load_model(mismatched, path)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
 
 
 def test_custom_loading_goes_through_load_state_dict(saved):

@@ -11,13 +11,21 @@ converts as torch does), tensors on a device, and tensors that share memory with
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+import gc
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _logging
 from ._frameworks import torch_many, torch_shape
 from ._open import DEFAULT_BACKEND
 from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
+from ._shared import _remove_duplicate_names, account_removed
+
+_strided = torch.strided
 
 #: Host memory used at a time by tensors that take a copy (on a device, not contiguous ...).
 COPY_BATCH_BYTES = 256 << 20
@@ -40,7 +48,6 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
 
 
 def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
-    import torch
 
     infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
     for name, t in tensors.items():
@@ -50,7 +57,7 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
         if list(t.shape) != list(torch_shape(code, shape)):
             raise SafetensorError(f"tensor {name}: the checkpoint has shape {shape}, "
                                   f"the destination {list(t.shape)}")
-    rest = ckpt.read_into(list(tensors), [t.detach() for t in tensors.values()])[1]
+    rest = ckpt.read_into(list(tensors), [_exported(t) for t in tensors.values()])[1]
     if rest:  # copies, converted by torch as load_state_dict would, a bounded batch at a time
         for batch in ckpt.batches(rest, max_bytes=COPY_BATCH_BYTES):
             items, _ = ckpt.read(batch)
@@ -60,11 +67,19 @@ def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
     return ckpt.stats()
 
 
+def _exported(t: Any) -> Any:
+    """What the reader borrows ``t`` through: its DLPack capsule (``to_dlpack``, a fifth of the
+    cost of torch's ``__dlpack__``, whose checks are made here) for a plain CPU tensor, else the
+    tensor, whose ``__dlpack__`` the reader calls (and copies into what it cannot borrow)."""
+    t = t.detach()
+    if t.is_cpu and t.layout is _strided and not t.is_conj() and not t.is_neg():
+        return _to_dlpack(t)
+    return t
+
+
 def _custom_loading(model: Any) -> bool:
     """Whether some module loads its state its own way (hooks, an overridden
     ``_load_from_state_dict``): then only ``load_state_dict`` itself gives the right result."""
-    import torch
-
     base = torch.nn.Module._load_from_state_dict
     for m in model.modules():
         if type(m)._load_from_state_dict is not base:
@@ -74,17 +89,34 @@ def _custom_loading(model: Any) -> bool:
     return bool(getattr(model, "_state_dict_pre_hooks", None))
 
 
+@contextlib.contextmanager
+def _cycle_collector_paused() -> Iterator[None]:
+    """Python's cycle collector held off while a load handles a model's tensors one by one (its
+    state dict, names, storages, DLPack exports: objects without cycles, freed by their counts).
+    A model of 20,000 tensors is some 100,000 objects: each full collection walked them all, and
+    a ``load_model`` of it ran two (one inside torch's ``state_dict``), 70-130 ms each. Left
+    off when the caller had turned it off; several threads at once leave it on at the end."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: str = DEFAULT_BACKEND,
                     **kwargs: Any) -> Optional[Tuple[Any, List[str]]]:
     """safetensors' ``load_model`` semantics, reading straight into the model's tensors.
     Returns (missing, unexpected), or None when the model loads its state its own way (the
     caller then goes through ``load_state_dict``)."""
-    import torch
+    with _cycle_collector_paused():
+        if _custom_loading(model):
+            return None
+        return _load_model_into(model, path_or_paths, backend, **kwargs)
 
-    from ._shared import _remove_duplicate_names
 
-    if _custom_loading(model):
-        return None
+def _load_model_into(model: Any, path_or_paths: Any, backend: str, **kwargs: Any) -> Tuple[Any, List[str]]:
     state = model.state_dict()
     ckpt = Checkpoint(path_or_paths, backend, **kwargs)
     try:
@@ -104,6 +136,4 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
         ckpt.close()
     missing = {n for n in state if n not in infos}
     unexpected = [n for n in infos if n not in state]
-    from ._shared import account_removed
-
     return account_removed(to_removes, missing, unexpected)
