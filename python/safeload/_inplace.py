@@ -11,15 +11,13 @@ converts as torch does), tensors on a device, and tensors that share memory with
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _logging
-from ._frameworks import torch_many, torch_shape
+from ._frameworks import gc_paused, torch_many, torch_shape
 from ._open import DEFAULT_BACKEND
 from ._stats import Stats
 from ._safeload import Checkpoint, SafetensorError
@@ -89,28 +87,12 @@ def _custom_loading(model: Any) -> bool:
     return bool(getattr(model, "_state_dict_pre_hooks", None))
 
 
-@contextlib.contextmanager
-def _cycle_collector_paused() -> Iterator[None]:
-    """Python's cycle collector held off while a load handles a model's tensors one by one (its
-    state dict, names, storages, DLPack exports: objects without cycles, freed by their counts).
-    A model of 20,000 tensors is some 100,000 objects: each full collection walked them all, and
-    a ``load_model`` of it ran two (one inside torch's ``state_dict``), 70-130 ms each. Left
-    off when the caller had turned it off; several threads at once leave it on at the end."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: str = DEFAULT_BACKEND,
                     **kwargs: Any) -> Optional[Tuple[Any, List[str]]]:
     """safetensors' ``load_model`` semantics, reading straight into the model's tensors.
     Returns (missing, unexpected), or None when the model loads its state its own way (the
     caller then goes through ``load_state_dict``)."""
-    with _cycle_collector_paused():
+    with gc_paused():  # a model of 20,000 tensors: two full collections of 70-130 ms each
         if _custom_loading(model):
             return None
         return _load_model_into(model, path_or_paths, backend, **kwargs)
