@@ -6,7 +6,8 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device, _logging, _mps, _prefetch, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype, torch_read_many
+from ._frameworks import (CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype, torch_importer,
+                          torch_read_many)
 from ._safeload import Handle, SafetensorError
 from ._stats import Stats
 
@@ -130,7 +131,13 @@ class safe_open:
             # One tensor through the staging ring (CUDA) or its own alias (MPS).
             tensors, self.staging_stats = _staging.load_to_device(self._handle, self._device, names=[name])
             return tensors[name]
-        name, code, shape, data = self._handle.read(name)
+        if self._framework == "pytorch":  # the core makes the tensor (the dtypes torch imports)
+            got = self._handle.read(name, torch_importer())
+            if type(got) is not tuple:
+                return got
+        else:
+            got = self._handle.read(name)
+        name, code, shape, data = got
         return self._tensor(name, code, shape, data)
 
     def _take_on_device(self, handle: Handle, name: str, key: Any = None) -> Any:

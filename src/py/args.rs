@@ -5,15 +5,11 @@ use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySlice, PyTuple};
 
-use super::bytes::Bytes;
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::slice::{Bounds, Index};
 use crate::source::ReadOptions;
 use crate::strategy::Backend;
-
-/// (name, dtype code, shape, bytes): what Python turns into a tensor.
-pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
 
 /// A `backend=` argument: a str naming one of [`Backend::NAMES`] ("auto" gives way to
 /// `$SAFELOAD_BACKEND`: [`Backend::requested`]); anything else is a `TypeError`, as 0.8's typed

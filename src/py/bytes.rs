@@ -24,6 +24,9 @@ pub struct Bytes {
     inner: TensorBytes,
 }
 
+/// (name, dtype code, shape, bytes): what Python turns into a tensor.
+pub(super) type TensorTuple = (String, &'static str, Vec<usize>, Bytes);
+
 impl Bytes {
     pub fn new(inner: TensorBytes) -> Self {
         Bytes { inner }
@@ -180,12 +183,32 @@ impl Importer {
         self.call.bind(py).call1((capsule,)).map(Some)
     }
 
+    /// One tensor's bytes as the tensor `importer` makes of them where it makes that dtype, else
+    /// as `convert(name, dtype code, shape, bytes)`, else as that tuple.
+    pub(super) fn made(
+        py: Python<'_>,
+        importer: Option<&Importer>,
+        convert: Option<&Bound<'_, PyAny>>,
+        (name, code, shape, bytes): TensorTuple,
+    ) -> PyResult<Py<PyAny>> {
+        if let Some(importer) = importer
+            && let Some(tensor) = importer.import(py, &bytes, code, &shape)?
+        {
+            return Ok(tensor.unbind());
+        }
+        let tuple = (name, code, shape, bytes);
+        match convert {
+            Some(convert) => Ok(convert.call1(tuple)?.unbind()),
+            None => Ok(tuple.into_pyobject(py)?.into_any().unbind()),
+        }
+    }
+
     /// `{name: tensor}` in the order of `items`; a tensor [`Importer::import`] leaves maps to its
     /// `(code, shape, bytes)`, and its name is returned, in order, for the caller to convert.
     pub(super) fn import_all<'py>(
         &self,
         py: Python<'py>,
-        items: Vec<(String, &'static str, Vec<usize>, Bytes)>,
+        items: Vec<TensorTuple>,
     ) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
         let out = PyDict::new(py);
         let mut rest = Vec::new();

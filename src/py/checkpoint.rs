@@ -8,7 +8,8 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
-use super::args::{BackendArg, CheckpointArg, TensorTuple, options, parse_dtype};
+use super::args::{BackendArg, CheckpointArg, options, parse_dtype};
+use super::bytes::TensorTuple;
 use super::bytes::{Bytes, Importer};
 use super::dlpack::Destinations;
 use super::errors::detached;

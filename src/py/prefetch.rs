@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
-use super::args::TensorTuple;
 use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::provided;
@@ -172,17 +171,13 @@ impl Prefetch {
                 None => self.read_now(py, i)?,
             };
             let item = &self.ahead.items()[i];
-            let code = item.dtype.code();
-            if let Some(importer) = &importer
-                && let Some(tensor) = importer.import(py, &bytes, code, &item.shape)?
-            {
-                return Ok(tensor.unbind());
-            }
-            let tuple: TensorTuple = (item.name.clone(), code, item.shape.clone(), bytes);
-            match &convert {
-                Some(convert) => Ok(convert.call1(tuple)?.unbind()),
-                None => Ok(tuple.into_pyobject(py)?.into_any().unbind()),
-            }
+            let tuple = (
+                item.name.clone(),
+                item.dtype.code(),
+                item.shape.clone(),
+                bytes,
+            );
+            Importer::made(py, importer.as_deref(), convert.as_ref(), tuple)
         })();
         if result.is_err() {
             self.lock_delivered().release(i);

@@ -5,8 +5,8 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 
-use super::args::TensorTuple;
 use super::bytes::Bytes;
+use super::bytes::TensorTuple;
 use super::errors::detached;
 
 #[pyclass(frozen, module = "safeload._safeload")]

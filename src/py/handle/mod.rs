@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{BackendArg, TensorTuple, options, parse_dtype};
-use super::bytes::{Bytes, Importer};
+use super::args::{BackendArg, options, parse_dtype};
+use super::bytes::{Bytes, Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
@@ -286,11 +286,19 @@ impl Handle {
         Ok(super::shown(&self.source()?.path))
     }
 
-    /// Bytes of one tensor.
-    fn read(&self, py: Python<'_>, name: &str) -> PyResult<TensorTuple> {
+    /// One tensor: `(name, dtype code, shape, bytes)`, or the tensor `importer` makes of them
+    /// where it makes that dtype (a `get_tensor` loop's tensors without Python per tensor).
+    #[pyo3(signature = (name, importer=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        importer: Option<PyRef<'_, Importer>>,
+    ) -> PyResult<Py<PyAny>> {
         let ckpt = self.ckpt()?;
         let info = ckpt.shards[self.shard].tensor(name)?;
-        self.whole(py, &ckpt, info)
+        let tuple = self.whole(py, &ckpt, info)?;
+        Importer::made(py, importer.as_deref(), None, tuple)
     }
 
     /// Bytes of the named tensors (all when `names` is None), in file order, read together;
