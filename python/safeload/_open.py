@@ -223,7 +223,13 @@ class SafeSlice:
             tensor = self._owner._take_on_device(self._handle, self._name, key)
             if tensor is not None:
                 return tensor
-        code, shape, data = self._handle.read_slice(self._name, key, bounds=self._owner._bounds)
+        if self._owner._device is None and self._owner._framework == "pytorch":
+            got = self._handle.read_slice(self._name, key, self._owner._bounds, torch_importer())
+            if type(got) is not tuple:  # made by the core (the dtypes torch imports)
+                return got
+        else:
+            got = self._handle.read_slice(self._name, key, bounds=self._owner._bounds)
+        code, shape, data = got
         return self._owner._tensor(self._name, code, shape, data)
 
     def __repr__(self) -> str:

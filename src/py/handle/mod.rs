@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{BackendArg, options, parse_dtype};
-use super::bytes::{Bytes, Importer, TensorTuple};
+use super::bytes::{Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
 use super::prefetch::{self, Prefetch};
@@ -367,17 +367,26 @@ impl Handle {
 
     /// `tensor[key]`, `key` as `__getitem__` got it (ints, slices, `...`, a tuple of those),
     /// `bounds` "strict" (0.8's pread and numpy rule) or "clamp" (torch's; see
-    /// `slice::Bounds`). Returns (dtype, shape, bytes); only the needed byte ranges are read.
-    #[pyo3(signature = (name, key, bounds="strict"))]
+    /// `slice::Bounds`). Returns (dtype, shape, bytes), or the tensor `importer` makes of them
+    /// where it makes that dtype; only the needed byte ranges are read.
+    #[pyo3(signature = (name, key, bounds="strict", importer=None))]
     fn read_slice(
         &self,
         py: Python<'_>,
         name: &str,
         key: &Bound<'_, PyAny>,
         bounds: &str,
-    ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
+        importer: Option<PyRef<'_, Importer>>,
+    ) -> PyResult<Py<PyAny>> {
         let ckpt = self.ckpt()?;
         let info = ckpt.shards[self.shard].tensor(name)?;
-        self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)
+        let (code, shape, bytes) =
+            self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)?;
+        if let Some(importer) = importer.as_deref()
+            && let Some(tensor) = importer.import(py, &bytes, code, &shape)?
+        {
+            return Ok(tensor.unbind());
+        }
+        Ok((code, shape, bytes).into_pyobject(py)?.into_any().unbind())
     }
 }
