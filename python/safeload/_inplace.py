@@ -46,7 +46,6 @@ def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEF
 
 
 def _read_into(ckpt: Any, tensors: Dict[str, Any]) -> Stats:
-
     infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
     for name, t in tensors.items():
         if name not in infos:
