@@ -9,8 +9,7 @@ use std::sync::{Arc, RwLock};
 use pyo3::prelude::*;
 
 use super::args::{BackendArg, CheckpointArg, options, parse_dtype};
-use super::bytes::TensorTuple;
-use super::bytes::{Bytes, Importer};
+use super::bytes::{Bytes, Importer, TensorTuple};
 use super::dlpack::Destinations;
 use super::errors::detached;
 use super::handle::Handle;

@@ -5,8 +5,7 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 
-use super::bytes::Bytes;
-use super::bytes::TensorTuple;
+use super::bytes::{Bytes, TensorTuple};
 use super::errors::detached;
 
 #[pyclass(frozen, module = "safeload._safeload")]
