@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 from . import _device, _logging, _mps, _prefetch, _staging
 from ._frameworks import (CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype, torch_importer,
                           torch_read_many)
-from ._safeload import Handle, SafetensorError
+from ._safeload import Handle, Importer, SafetensorError
 from ._stats import Stats
 
 DEFAULT_BACKEND = "auto"
@@ -131,14 +131,16 @@ class safe_open:
             # One tensor through the staging ring (CUDA) or its own alias (MPS).
             tensors, self.staging_stats = _staging.load_to_device(self._handle, self._device, names=[name])
             return tensors[name]
-        if self._framework == "pytorch":  # the core makes the tensor (the dtypes torch imports)
-            got = self._handle.read(name, torch_importer())
-            if type(got) is not tuple:
-                return got
-        else:
-            got = self._handle.read(name)
+        got = self._handle.read(name, self._core_importer())
+        if type(got) is not tuple:  # made by the core
+            return got
         name, code, shape, data = got
         return self._tensor(name, code, shape, data)
+
+    def _core_importer(self) -> Optional[Importer]:
+        """What makes this handle's tensors in the core where it can (torch's DLPack import, for
+        the dtypes it makes, on the CPU), else None: the core then returns the bytes."""
+        return torch_importer() if self._framework == "pytorch" and self._device is None else None
 
     def _take_on_device(self, handle: Handle, name: str, key: Any = None) -> Any:
         """A whole tensor (or ``[key]`` that covers it) from the reader's read-ahead straight
@@ -223,12 +225,9 @@ class SafeSlice:
             tensor = self._owner._take_on_device(self._handle, self._name, key)
             if tensor is not None:
                 return tensor
-        if self._owner._device is None and self._owner._framework == "pytorch":
-            got = self._handle.read_slice(self._name, key, self._owner._bounds, torch_importer())
-            if type(got) is not tuple:  # made by the core (the dtypes torch imports)
-                return got
-        else:
-            got = self._handle.read_slice(self._name, key, bounds=self._owner._bounds)
+        got = self._handle.read_slice(self._name, key, self._owner._bounds, self._owner._core_importer())
+        if type(got) is not tuple:  # made by the core
+            return got
         code, shape, data = got
         return self._owner._tensor(self._name, code, shape, data)
 
