@@ -324,9 +324,22 @@ def test_shared_tensor_helpers_match_reference():
     sd = model.state_dict()
     base = torch.zeros(10)
     extra = {"x": base, "y": base[:5], "z": base[5:], "w": torch.zeros(3)}
-    for d in (sd, extra):
+    tied = torch.zeros(6)
+    cases = [
+        sd,
+        extra,  # a view of part of a storage next to the whole: dropped for the whole
+        {"a": tied, "b": tied, "c": torch.zeros(2)},  # tied weights
+        {"a": tied, "b": tied.view(2, 3), "meta": torch.zeros(3, device="meta"), "empty": torch.zeros(0)},
+        {"half": base[:5]},  # no name covers the storage: RuntimeError
+        {"lo": base[:5], "hi": base[5:]},  # disjoint views of one storage, neither whole
+    ]
+    options = [{}, {"preferred_names": ["b"]}, {"discard_names": ["a"]}, {"preferred_names": ["b"], "discard_names": ["b"]}]
+    for d in cases:
         assert safeload.torch._find_shared_tensors(d) == st_torch._find_shared_tensors(d)
-    assert dict(safeload.torch._remove_duplicate_names(sd)) == dict(st_torch._remove_duplicate_names(sd))
+        for kw in options:
+            ref = catch(st_torch._remove_duplicate_names, d, **kw)
+            got = catch(safeload.torch._remove_duplicate_names, d, **kw)
+            assert got == ref, (d.keys(), kw)
     for t in (base, base[2:], torch.zeros(0)):
         assert safeload.torch.storage_ptr(t) == st_torch.storage_ptr(t)
         assert safeload.torch.storage_size(t) == st_torch.storage_size(t)
