@@ -64,20 +64,28 @@ def _pinned_allocator(torch: Any) -> Allocate:
     return allocate
 
 
+def _converted(convert: Callable[..., Any], device: Any, name: str, code: str, shape: List[int], data: Any) -> Any:
+    """The tensor of bytes the core handed over (a dtype its importer does not make)."""
+    tensor = convert(code, shape, data, name)
+    return tensor if device is None else tensor.to(device)
+
+
 class PrefetchLoader:
     """Tensors of a prefetch plan as they land: ``take(name)`` (each once), iteration yielding
     ``(name, tensor)`` in file order (skipping taken ones), ``names()``, ``len()``, ``close()``
-    and use as a context manager. Outlives its handle; tensors handed out outlive it."""
+    and use as a context manager. Outlives its handle; tensors handed out outlive it.
 
-    def __init__(self, native: Prefetch, convert: Callable[..., Any], device: Any,
-                 allocate: Optional[Allocate], staged: bool) -> None:
+    ``take(name)``: the tensor (or the planned rows of it), waiting for its bytes. Off CUDA it is
+    the core's own method (no Python frame a take: the core makes the tensor with the makers it
+    was given, see :func:`start`); on CUDA it queues each staged tensor's copy to the device."""
+
+    take: Callable[[str], Any]
+
+    def __init__(self, native: Prefetch, device: Any, staged: bool) -> None:
         self._native = native
-        self._convert = convert
         self._device = device  # None: the CPU
-        self._allocate = allocate
         self._staged = staged  # CUDA: provided tensors are pinned staging, copied at take
-        # CPU torch tensors are made by the core, one call a take (the dtypes it can make).
-        self._importer = torch_importer() if convert is to_torch and device is None and allocate is None else None
+        self.take = self._take_staged if staged else native.take
 
     def names(self) -> List[str]:
         """The plan's names, in file order."""
@@ -105,23 +113,16 @@ class PrefetchLoader:
     def closed(self) -> bool:
         return self._native.closed
 
-    def take(self, name: str) -> Any:
-        """The tensor (or the planned rows of it), waiting for its bytes."""
-        got = self._native.take(name, self._allocate, self._importer, self._converted)
-        return _to_device(got, self._device) if self._staged else got
+    def _take_staged(self, name: str) -> Any:
+        return _to_device(self._native.take(name), self._device)
 
     def __iter__(self) -> Iterator[Tuple[str, Any]]:
         """``(name, tensor)`` in file order, skipping tensors already taken: each step one call
         of the core, with no Python frame between (``iter(callable, None)``)."""
-        pairs = iter(partial(self._native.take_next, self._allocate, self._importer, self._converted), None)
+        pairs = iter(self._native.take_next, None)
         if not self._staged:
             return pairs
         return ((name, _to_device(staged, self._device)) for name, staged in pairs)
-
-    def _converted(self, name: str, code: str, shape: List[int], data: Any) -> Any:
-        """The tensor of bytes the core handed over (a dtype its importer does not make)."""
-        tensor = self._convert(code, shape, data, name)
-        return tensor if self._device is None else tensor.to(self._device)
 
     def close(self) -> None:
         """Stops reading and frees what was not taken; tensors handed out keep their memory."""
@@ -154,6 +155,8 @@ def start(handle: Any, convert: Callable[..., Any], handle_device: Any, plan: Op
         import torch
 
         allocate, staged = _pinned_allocator(torch), True
-    native = handle.prefetch(plan, threads=threads, budget_bytes=budget_bytes,
-                             provided=allocate is not None, staging=staged)
-    return PrefetchLoader(native, convert, target, allocate, staged)
+    # CPU torch tensors are made by the core, one call a take (the dtypes it can make).
+    importer = torch_importer() if convert is to_torch and target is None and allocate is None else None
+    makers = (allocate, importer, partial(_converted, convert, target))
+    native = handle.prefetch(plan, threads=threads, budget_bytes=budget_bytes, staging=staged, makers=makers)
+    return PrefetchLoader(native, target, staged)

@@ -138,8 +138,12 @@ class Handle:
         *,
         threads: Optional[int] = None,
         budget_bytes: Optional[int] = None,
-        provided: bool = False,
         staging: bool = False,
+        makers: Tuple[
+            Optional[Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]],
+            Optional[Importer],
+            Optional[Callable[[str, str, List[int], Any], Any]],
+        ] = ...,
     ) -> Prefetch: ...
     def take_into(
         self,
@@ -153,19 +157,8 @@ class Handle:
 class Prefetch:
     def names(self) -> List[str]: ...
     def __len__(self) -> int: ...
-    def take_next(
-        self,
-        allocate: Optional[Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]] = None,
-        importer: Optional[Importer] = None,
-        convert: Optional[Callable[[str, str, List[int], Any], Any]] = None,
-    ) -> Optional[Tuple[str, Any]]: ...
-    def take(
-        self,
-        name: str,
-        allocate: Optional[Callable[[List[Tuple[str, str, List[int], int]]], Optional[List[Tuple[Any, Any]]]]] = None,
-        importer: Optional[Importer] = None,
-        convert: Optional[Callable[[str, str, List[int], Any], Any]] = None,
-    ) -> Any: ...
+    def take_next(self) -> Optional[Tuple[str, Any]]: ...
+    def take(self, name: str) -> Any: ...
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...

@@ -54,12 +54,28 @@ pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows
     Ok(out)
 }
 
-/// What makes a take's tensor: `allocate`, `importer` and `convert` of [`Prefetch::take`].
-type Makers<'py> = (
-    Option<Bound<'py, PyAny>>,
-    Option<PyRef<'py, Importer>>,
-    Option<Bound<'py, PyAny>>,
-);
+/// What makes a take's tensor, given once when the loader is made (`Handle.prefetch`):
+/// `allocate` makes the destinations a loader reading into provided memory writes (devices),
+/// `importer` makes framework tensors of the dtypes it makes, `convert(name, dtype code, shape,
+/// bytes)` the rest (that tuple without it).
+pub(super) struct Makers {
+    pub allocate: Option<Py<PyAny>>,
+    pub importer: Option<Py<Importer>>,
+    pub convert: Option<Py<PyAny>>,
+}
+
+/// [`Makers`] as Python passes them: `(allocate, importer, convert)`.
+pub(super) type MakersArg = (Option<Py<PyAny>>, Option<Py<Importer>>, Option<Py<PyAny>>);
+
+impl From<MakersArg> for Makers {
+    fn from((allocate, importer, convert): MakersArg) -> Makers {
+        Makers {
+            allocate,
+            importer,
+            convert,
+        }
+    }
+}
 
 /// [`Prefetch::item_of`] of a tensor the plan does not take.
 const NOT_PLANNED: usize = usize::MAX;
@@ -82,16 +98,17 @@ pub struct Prefetch {
     budget: u64,
     /// Bytes read by takes the read-ahead had not reached.
     read_by_takes: AtomicU64,
+    makers: Makers,
 }
 
 impl Prefetch {
-    /// A loader of `plan` (every tensor when None) of `source`, reading with `strategy`
-    /// (`provided`: into destinations `take`'s `allocate` makes), at most `budget` bytes ahead.
+    /// A loader of `plan` (every tensor when None) of `source`, reading with `strategy` (into
+    /// the destinations `makers.allocate` makes, where it is given), at most `budget` bytes ahead.
     pub(super) fn start(
         (source, tally): (Arc<Source>, Arc<Tally>),
         plan: Option<Vec<(String, Rows)>>,
         strategy: Strategy,
-        provided: bool,
+        makers: Makers,
         opts: ReadOptions,
         budget: u64,
     ) -> Result<Prefetch, Error> {
@@ -105,7 +122,7 @@ impl Prefetch {
             item_of[at] = i;
         }
         let n = items.len();
-        let mode = if provided {
+        let mode = if makers.allocate.is_some() {
             Mode::Provided
         } else {
             Mode::for_strategy(strategy)
@@ -122,6 +139,7 @@ impl Prefetch {
             closed: AtomicBool::new(false),
             budget,
             read_by_takes: AtomicU64::new(0),
+            makers,
         })
     }
 
@@ -137,12 +155,7 @@ impl Prefetch {
     }
 
     /// Item `i`, handed over once: see `take`.
-    fn take_item(
-        &self,
-        py: Python<'_>,
-        i: usize,
-        (allocate, importer, convert): Makers<'_>,
-    ) -> PyResult<Py<PyAny>> {
+    fn take_item(&self, py: Python<'_>, i: usize) -> PyResult<Py<PyAny>> {
         if !self.lock_delivered().claim(i) {
             return Err(PyErr::from(Error::Prefetch(format!(
                 "{} was already delivered by this PrefetchLoader",
@@ -150,10 +163,10 @@ impl Prefetch {
             ))));
         }
         let result = (|| {
-            if let Some(allocate) = &allocate
+            if let Some(allocate) = &self.makers.allocate
                 && self.ahead.mode() == Mode::Provided
             {
-                provided::provide(py, &self.ahead, i, allocate)?;
+                provided::provide(py, &self.ahead, i, allocate.bind(py))?;
             }
             let taken = match self.ahead.take_ready(i) {
                 Some(ready) => ready?,
@@ -177,7 +190,11 @@ impl Prefetch {
                 item.shape.clone(),
                 bytes,
             );
-            Importer::made(py, importer.as_deref(), convert.as_ref(), tuple)
+            let Makers {
+                importer, convert, ..
+            } = &self.makers;
+            let convert = convert.as_ref().map(|c| c.bind(py));
+            Importer::made(py, importer.as_ref().map(Py::get), convert, tuple)
         })();
         if result.is_err() {
             self.lock_delivered().release(i);
@@ -217,36 +234,21 @@ impl Prefetch {
 
     /// The first item in file order not taken yet, taken (iteration): `(name, what take
     /// returns)`, or None when every item was taken.
-    #[pyo3(signature = (allocate=None, importer=None, convert=None))]
-    fn take_next(
-        &self,
-        py: Python<'_>,
-        allocate: Option<Bound<'_, PyAny>>,
-        importer: Option<PyRef<'_, Importer>>,
-        convert: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<Option<(String, Py<PyAny>)>> {
+    fn take_next(&self, py: Python<'_>) -> PyResult<Option<(String, Py<PyAny>)>> {
         self.check_open()?;
         let Some(i) = self.lock_delivered().first_pending() else {
             return Ok(None);
         };
-        let tensor = self.take_item(py, i, (allocate, importer, convert))?;
+        let tensor = self.take_item(py, i)?;
         Ok(Some((self.ahead.items()[i].name.clone(), tensor)))
     }
 
     /// Tensor `name` as planned: waits for its bytes (or reads them now if the read-ahead has
-    /// not reached them). Returns the tensor `allocate` made for it when the loader reads into
-    /// provided destinations (see `Handle.take_into`), else the tensor `importer` makes of the
-    /// bytes where it makes that dtype, else `convert(name, dtype code, shape, bytes)` (that
-    /// tuple without `convert`).
-    #[pyo3(signature = (name, allocate=None, importer=None, convert=None))]
-    fn take(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        allocate: Option<Bound<'_, PyAny>>,
-        importer: Option<PyRef<'_, Importer>>,
-        convert: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
+    /// not reached them). Returns the tensor the makers' `allocate` made for it when the loader
+    /// reads into provided destinations (see `Handle.take_into`), else the tensor their
+    /// `importer` makes of the bytes where it makes that dtype, else `convert(name, dtype code,
+    /// shape, bytes)` (that tuple without `convert`).
+    fn take(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let planned = self.source.header.index_of(name).map(|at| self.item_of[at]);
         let Some(i) = planned.filter(|&i| i != NOT_PLANNED) else {
@@ -255,7 +257,7 @@ impl Prefetch {
                 self.source.path.display()
             ))));
         };
-        self.take_item(py, i, (allocate, importer, convert))
+        self.take_item(py, i)
     }
 
     /// Stops reading ahead and frees what was not taken; tensors handed out keep their memory.

@@ -8,7 +8,7 @@ use crate::checkpoint::Checkpoint;
 use crate::header::TensorInfo;
 use crate::prefetch::Rows;
 use crate::py::errors::detached;
-use crate::py::prefetch::Prefetch;
+use crate::py::prefetch::{Makers, Prefetch};
 use crate::py::provided;
 use crate::readahead::{self, Mode, ReadAhead};
 use crate::strategy;
@@ -65,7 +65,7 @@ impl Handle {
         plan: Option<Vec<(String, Rows)>>,
         threads: Option<usize>,
         budget: u64,
-        provided: bool,
+        makers: Makers,
     ) -> PyResult<Prefetch> {
         let mut opts = ckpt.options();
         if let Some(t) = threads {
@@ -74,7 +74,7 @@ impl Handle {
         let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
         let tally = ckpt.tally();
         detached(py, |_| {
-            Prefetch::start((source, tally), plan, strategy, provided, opts, budget)
+            Prefetch::start((source, tally), plan, strategy, makers, opts, budget)
         })
     }
 }

@@ -20,7 +20,7 @@ use super::args::{BackendArg, options, parse_dtype};
 use super::bytes::{Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
-use super::prefetch::{self, Prefetch};
+use super::prefetch::{self, MakersArg, Prefetch};
 use super::stats::Stats;
 use crate::checkpoint::{Checkpoint, ReadStats};
 use crate::error::Error;
@@ -239,22 +239,23 @@ impl Handle {
     /// safetensors 0.9's `prefetch`: starts reading `plan` (a dict `name -> None | slice` of the
     /// first dimension; every tensor when None) in the background, in file order, with at most
     /// `budget_bytes` read and not taken (`SAFELOAD_PREFETCH_BYTES`, default 4 GiB), and returns
-    /// the loader at once. `provided`: into destinations the loader's `take` gets made (devices);
-    /// `staging`: those are staging memory (CUDA), whose default budget is 1 GiB.
-    #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, provided=false, staging=false))]
+    /// the loader at once. Its takes make tensors with `makers`: `(allocate, importer, convert)`
+    /// (see `Prefetch.take`); with `allocate`, the loader reads into the destinations it makes
+    /// (devices). `staging`: those are staging memory (CUDA), whose default budget is 1 GiB.
+    #[pyo3(signature = (plan=None, *, threads=None, budget_bytes=None, staging=false, makers=(None, None, None)))]
     fn prefetch(
         &self,
         py: Python<'_>,
         plan: Option<Bound<'_, PyDict>>,
         threads: Option<usize>,
         budget_bytes: Option<u64>,
-        provided: bool,
         staging: bool,
+        makers: MakersArg,
     ) -> PyResult<Prefetch> {
         let ckpt = self.ckpt()?;
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
         let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
-        self.start_prefetch(py, &ckpt, plan, threads, budget, provided)
+        self.start_prefetch(py, &ckpt, plan, threads, budget, makers.into())
     }
 
     /// (dtype code, shape) of one tensor.
