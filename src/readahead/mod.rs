@@ -150,8 +150,10 @@ struct State {
     seconds: f64,
     direct_refused: bool,
     hinted: u64,
-    /// Threads waiting on `cv` now ([`Shared::wait_a_while`]).
+    /// Callers waiting on `cv` for their tensors now ([`Shared::wait_a_while`]).
     waiters: usize,
+    /// Workers waiting on `room` for room in the window now ([`Shared::wait_for_room`]).
+    room_waiters: usize,
 }
 
 struct Shared {
@@ -181,7 +183,10 @@ struct Shared {
     /// locked by a thread it does not have: it never touches either.
     started_in: AtomicU64,
     state: Mutex<State>,
+    /// Callers wait on it for their tensors.
     cv: Condvar,
+    /// Workers wait on it for room to claim a batch in ([`Shared::worth_claiming`]).
+    room: Condvar,
 }
 
 /// What the read-ahead did, for a handle's stats.
@@ -273,6 +278,7 @@ impl ReadAhead {
             direct_refused: false,
             hinted: 0,
             waiters: 0,
+            room_waiters: 0,
         };
         // A resident file's pages are there: views of them need no worker and no populate (the
         // rule every mapped read follows, [`strategy::populate_ahead`]). A handle's own
@@ -307,6 +313,7 @@ impl ReadAhead {
                 started_in: AtomicU64::new(0),
                 state: Mutex::new(state),
                 cv: Condvar::new(),
+                room: Condvar::new(),
             }),
             workers: Mutex::new(Vec::new()),
         }
@@ -490,21 +497,38 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits on `cv` for at most [`WAIT`], counted in [`State::waiters`] meanwhile.
+    /// A caller's wait on `cv` for at most [`WAIT`], counted in [`State::waiters`] meanwhile.
+    /// A waiting caller makes claiming worth it (see [`Shared::worth_claiming`]): the workers
+    /// are woken to claim what it waits for.
     fn wait_a_while<'a>(&'a self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         state.waiters += 1;
+        if state.room_waiters > 0 {
+            self.room.notify_all();
+        }
         let (mut state, _) = (self.cv.wait_timeout(state, WAIT)).unwrap_or_else(|p| p.into_inner());
         state.waiters -= 1;
         state
     }
 
-    /// Wakes whoever waits on `cv` (callers for their tensors, workers for room in the window)
-    /// after `state` changed, holding its lock; nothing when nobody waits. A wake is a system
-    /// call, and a loop taking thousands of small tensors the workers have read finds no one
-    /// waiting at almost every take.
+    /// A worker's wait on `room` for at most [`WAIT`], counted in [`State::room_waiters`].
+    fn wait_for_room<'a>(&'a self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        state.room_waiters += 1;
+        let (mut state, _) =
+            (self.room.wait_timeout(state, WAIT)).unwrap_or_else(|p| p.into_inner());
+        state.room_waiters -= 1;
+        state
+    }
+
+    /// Wakes whoever waits (callers for their tensors, workers for room in the window) after
+    /// `state` changed, holding its lock: callers when any waits, workers when claiming is worth
+    /// it now. A wake is a system call, and a loop taking thousands of small tensors the workers
+    /// have read finds no one to wake at almost every take.
     fn wake(&self, state: &State) {
         if state.waiters > 0 {
             self.cv.notify_all();
+        }
+        if state.room_waiters > 0 && self.worth_claiming(state) {
+            self.room.notify_all();
         }
     }
 }

@@ -61,12 +61,28 @@ impl Shared {
         self.budget.min(self.first_window.max(state.taken))
     }
 
+    /// Whether a worker claims a batch now: there is room in the window for a batch (or half
+    /// the window, when that is less), nothing is held, a caller waits, or tensors are provided
+    /// (counted when provided). A walk that claimed whatever room each take freed would read
+    /// a small tensor or two a batch, with a wake-up and a read each, once it is a window ahead
+    /// of a loop of small tensors.
+    pub(super) fn worth_claiming(&self, state: &State) -> bool {
+        if self.mode == Mode::Provided || state.held == 0 || state.waiters > 0 {
+            return true;
+        }
+        let window = self.window(state);
+        window.saturating_sub(state.held) >= self.batch_limit.min(window / 8)
+    }
+
     /// Claims the next tensors of the walk that fit the window (with their destinations in
     /// [`Mode::Provided`], where the walk waits at a tensor not provided yet); None when the
-    /// window is full or the walk is over (`state.scanned` says which).
+    /// window has no room worth claiming or the walk is over (`state.scanned` says which).
     pub(super) fn claim(&self, state: &mut State) -> Option<Vec<(usize, Option<Fresh>)>> {
         let n = state.slots.len();
         let provided = self.mode == Mode::Provided;
+        if !self.worth_claiming(state) {
+            return None;
+        }
         let (window, limit) = (self.window(state), self.batch_limit);
         let mut batch = Vec::new();
         let mut bytes = 0u64;
@@ -107,5 +123,39 @@ impl Shared {
             state.held += bytes;
         }
         (!batch.is_empty()).then_some(batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::readahead::tests::{open, owned, remove, sample};
+
+    #[test]
+    fn a_walk_a_window_ahead_claims_again_once_a_batch_fits_not_at_every_take() {
+        // 64 tensors of 16 KiB and a window of 512 KiB (32 of them): the walk claims again once
+        // an eighth of the window (4 tensors) is free. No worker runs: the test claims.
+        let (path, _) = sample("hysteresis", 64, 16 << 10);
+        let source = open(&path);
+        let ahead = owned(&source, 512 << 10);
+        let shared = &*ahead.shared;
+        let mut state = shared.lock();
+        let first = shared
+            .claim(&mut state)
+            .expect("an empty window is claimed");
+        assert_eq!(first.len(), 32);
+        for (i, _) in &first {
+            state.slots[*i] = Slot::Ready(None); // read
+        }
+        drop(state);
+        for i in 0..3 {
+            ahead.take(i, false, &mut || false).unwrap();
+            let claimed = shared.claim(&mut shared.lock()).map(|b| b.len());
+            assert_eq!(claimed, None, "claimed after {} takes", i + 1);
+        }
+        ahead.take(3, false, &mut || false).unwrap();
+        let claimed = shared.claim(&mut shared.lock()).map(|b| b.len());
+        assert_eq!(claimed, Some(4));
+        remove(&path, source, ahead);
     }
 }

@@ -47,6 +47,7 @@ impl ReadAhead {
             return;
         }
         self.shared.cv.notify_all();
+        self.shared.room.notify_all();
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
         for w in workers {
             let _ = w.join();
@@ -148,7 +149,7 @@ impl Shared {
                     if state.scanned >= state.slots.len() {
                         return;
                     }
-                    state = self.wait_a_while(state);
+                    state = self.wait_for_room(state);
                 }
             };
             let (batch, dests): (Vec<usize>, Vec<Option<Fresh>>) = batch.into_iter().unzip();
