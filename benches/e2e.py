@@ -13,7 +13,7 @@ the clock stops once every weight is resident (one byte of every page read). Rou
 the variants in a shuffled order; the tables give medians, stock/variant ratios (> 1: faster
 than stock) and the process's peak RSS.
 
-States: ``warm`` (files in the page cache), ``cold`` (evicted with POSIX_FADV_DONTNEED before each
+States: ``warm`` (files read into the page cache before each run), ``cold`` (evicted with POSIX_FADV_DONTNEED before each
 run; the host may still cache them), ``fuse`` (the data directory through tests/support/slowfs at
 2 ms a request, kernel defaults; it drops its page cache at every open, so every run is cold), and
 ``hf-mount`` (the same mount named ``hf-mount``, where transformers reads each shard with one
@@ -389,6 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     order = list(variants)
                     rng.shuffle(order)
                     for v in order:
+                        if state == "warm":  # read in again: other work may have evicted the files
+                            bench._prewarm(_weights(path))
                         spec = {"lib": lib, "state": state, "path": path, "verify": rnd == 0}
                         r = run_one(spec, VARIANTS[v], python)
                         r.update(lib=lib, state=state, variant=v, round=rnd)
