@@ -1,6 +1,7 @@
 //! Read-ahead for tensors pulled one at a time (`get_tensor` loops, `get_slice(k)[...]` from
-//! several threads, in any order): background workers read the file's tensors in file order with
-//! the parallel engine, within a memory budget, and hand each one over when it is asked for.
+//! several threads, in any order): background workers read the file's tensors in file order (or
+//! in name order, for a loop over `keys()` through a file not in name order: [`Shared::begin`])
+//! with the parallel engine, within a memory budget, and hand each one over when it is asked for.
 //!
 //! - Owned memory (`pread`, `direct`): each tensor is read into memory it will own, as a demand
 //!   read would; [`ReadAhead::take`] hands those bytes over (no copy). A tensor asked for before
@@ -25,7 +26,7 @@
 //! memory's calls in `provided`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -135,8 +136,11 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// The read-ahead walks tensors from `start` to the end, then from the first to `start`.
+    /// The read-ahead walks the positions of its order from `start` to the end, then from the
+    /// first to `start` ([`Shared::item_at`]).
     start: usize,
+    /// The walk's order is the names' ([`Shared::begin`]), not the file's.
+    by_name: bool,
     /// Positions of that walk already claimed or passed.
     scanned: usize,
     /// Bytes claimed or read ahead and not yet taken.
@@ -177,6 +181,8 @@ struct Shared {
     running: AtomicUsize,
     /// The most bytes one batch claims (see [`worker::batch_limit`]).
     batch_limit: u64,
+    /// Indices of `items` in the order of their names, made when a walk first needs it.
+    name_order: OnceLock<Vec<usize>>,
     stop: AtomicBool,
     /// [`platform::fork_generation`] + 1 of the process the workers were started in (0: not
     /// started). A child forked while they ran has no workers, and its copy of `state` may be
@@ -268,6 +274,7 @@ impl ReadAhead {
         let state = State {
             slots: (0..n).map(|_| Slot::Idle).collect(),
             start: 0,
+            by_name: false,
             scanned: 0,
             held: 0,
             taken: 0,
@@ -309,6 +316,7 @@ impl ReadAhead {
                 opts,
                 budget,
                 batch_limit,
+                name_order: OnceLock::new(),
                 stop: AtomicBool::new(false),
                 started_in: AtomicU64::new(0),
                 state: Mutex::new(state),
@@ -350,7 +358,7 @@ impl ReadAhead {
         }
         let mut state = shared.lock();
         if start && !state.started {
-            state.start = index;
+            shared.begin(&mut state, index);
             self.spawn(&mut state);
         }
         let size = shared.items[index].nbytes() as u64;
@@ -463,7 +471,7 @@ impl ReadAhead {
         let mut state = self.shared.lock();
         state.want_all = true;
         if !state.started {
-            state.start = 0;
+            self.shared.begin(&mut state, 0);
             self.spawn(&mut state);
         }
         self.shared.wake(&state);

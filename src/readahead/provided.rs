@@ -18,7 +18,7 @@ impl ReadAhead {
         let shared = &*self.shared;
         let mut state = shared.lock();
         if !state.started {
-            state.start = index;
+            shared.begin(&mut state, index);
             self.spawn(&mut state);
         }
         let n = state.slots.len();
@@ -31,7 +31,7 @@ impl ReadAhead {
         }
         let window = shared.window(&state);
         for pos in state.scanned..n {
-            let i = (state.start + pos) % n;
+            let i = shared.item_at(&state, pos);
             if i == index || !matches!(state.slots[i], Slot::Idle) {
                 continue;
             }

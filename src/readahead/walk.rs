@@ -10,6 +10,45 @@ use crate::error::{Error, Result};
 use super::{Mode, Shared, Slot, State};
 
 impl Shared {
+    /// Starts the walk at item `index`, the first one asked for. A walk goes in file order,
+    /// except when the first request is for the first name in the order of `keys()` but not for
+    /// the file's first tensor: then the caller loops over `keys()` (`for k in f.keys():
+    /// f.get_tensor(k)`, as vLLM, ltx-core and transformers' `load_state_dict` do) through a
+    /// file whose tensors are not in name order (safetensors writes them grouped by dtype, so a
+    /// checkpoint of several dtypes has a run of each), and the walk follows the names: a file
+    /// order walk would read one dtype's run while the loop asks for all of them, one after
+    /// another, and reads each tensor of the others itself. A batch in name order is a few runs
+    /// of the file, read in file order.
+    pub(super) fn begin(&self, state: &mut State, index: usize) {
+        let name = &self.items[index].name;
+        let first_name = index != 0 && self.items.iter().all(|t| t.name >= *name);
+        if first_name && !self.eager {
+            state.by_name = true;
+            state.start = 0;
+        } else {
+            state.start = index;
+        }
+    }
+
+    /// The item at position `pos` of the walk (from its start, wrapping at the end).
+    pub(super) fn item_at(&self, state: &State, pos: usize) -> usize {
+        let at = (state.start + pos) % state.slots.len();
+        if state.by_name {
+            self.name_order()[at]
+        } else {
+            at
+        }
+    }
+
+    /// Indices of the items in the order of their names (made once).
+    pub(super) fn name_order(&self) -> &[usize] {
+        self.name_order.get_or_init(|| {
+            let mut order: Vec<usize> = (0..self.items.len()).collect();
+            order.sort_unstable_by(|&a, &b| self.items[a].name.cmp(&self.items[b].name));
+            order
+        })
+    }
+
     /// Waits a while for the workers, then checks for cancellation. `poll` may wait for the
     /// GIL, whose holder may be waiting for this lock (`wanted`, `provide`, the stats): it is
     /// never called holding it.
@@ -40,7 +79,7 @@ impl Shared {
         let window = self.window(state);
         let mut bytes = state.held;
         for pos in state.scanned..n {
-            let i = (state.start + pos) % n;
+            let i = self.item_at(state, pos);
             if matches!(state.slots[i], Slot::Idle) {
                 bytes += self.items[i].nbytes() as u64;
                 if bytes > window {
@@ -87,7 +126,7 @@ impl Shared {
         let mut batch = Vec::new();
         let mut bytes = 0u64;
         while state.scanned < n {
-            let i = (state.start + state.scanned) % n;
+            let i = self.item_at(state, state.scanned);
             match state.slots[i] {
                 Slot::Idle | Slot::Wanted if provided => break,
                 Slot::Idle | Slot::Provided(_) => {}
@@ -114,7 +153,7 @@ impl Shared {
             state.scanned += 1;
             batch.push((i, dest));
             bytes += size;
-            // A wrap back to the first tensor starts a new batch (keeps batches in file order).
+            // A wrap back to the walk's first tensor starts a new batch.
             if (state.start + state.scanned).is_multiple_of(n) {
                 break;
             }
@@ -129,7 +168,9 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
     use crate::readahead::tests::{open, owned, remove, sample};
+    use crate::serialize;
 
     #[test]
     fn a_walk_a_window_ahead_claims_again_once_a_batch_fits_not_at_every_take() {
@@ -157,5 +198,55 @@ mod tests {
         let claimed = shared.claim(&mut shared.lock()).map(|b| b.len());
         assert_eq!(claimed, Some(4));
         remove(&path, source, ahead);
+    }
+
+    #[test]
+    fn a_loop_over_the_names_of_a_file_of_dtype_runs_is_walked_in_name_order() {
+        // Four layers of an F32 and a U8 tensor each: the file holds one dtype's run, then the
+        // other's (safetensors' order); the names (keys()' order) alternate between them.
+        let dir = std::env::temp_dir().join(format!("safeload-ra-names-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.safetensors");
+        let names: Vec<String> = (0..4)
+            .flat_map(|l| [format!("layer{l}.a.u8"), format!("layer{l}.b.f32")])
+            .collect();
+        let data = vec![7u8; 64];
+        let (f32_shape, u8_shape) = ([16usize], [64usize]);
+        let mut specs: Vec<serialize::TensorIn<'_>> = (names.iter())
+            .map(|name| {
+                let f32 = name.ends_with("f32");
+                serialize::TensorIn {
+                    name,
+                    dtype: if f32 { Dtype::F32 } else { Dtype::U8 },
+                    shape: if f32 { &f32_shape } else { &u8_shape },
+                    data: &data,
+                }
+            })
+            .collect();
+        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        let source = open(&path);
+        let file: Vec<&str> = (source.header.tensors.iter())
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_ne!(file, names, "the file's order is not the names'");
+        let walk = |first: &str| {
+            let ahead = owned(&source, 64 << 20);
+            let shared = &*ahead.shared;
+            let mut state = shared.lock();
+            shared.begin(&mut state, source.header.index_of(first).unwrap());
+            let batch = shared.claim(&mut state).expect("a batch");
+            let walked: Vec<&str> = (batch.iter())
+                .map(|(i, _)| source.header.tensors[*i].name.as_str())
+                .collect();
+            walked.join(" ")
+        };
+        // The loop's first request, the first name: the walk follows the names.
+        assert_eq!(walk(&names[0]), names.join(" "));
+        // Any other first request: file order from there to the end (the wrap is a new batch).
+        let at = file.iter().position(|n| *n == names[1]).unwrap();
+        assert_eq!(walk(&names[1]), file[at..].join(" "));
+        assert_eq!(walk(file[0]), file.join(" "));
+        drop(source);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }
