@@ -212,7 +212,13 @@ impl<'a> Worker<'a> {
         if !aligned && !converts {
             let file = match direct {
                 Some(d) => &d.file,
-                None => self.files.buffered(chunk.file),
+                None => {
+                    let file = self.files.buffered(chunk.file);
+                    // Asked of the page cache first: the disk reads the chunk while this thread
+                    // maps its destination pages (cold, the two took turns).
+                    platform::prefetch(file, chunk.offset, chunk.len as u64);
+                    file
+                }
             };
             return preadv_exact(file, chunk.offset, segments);
         }
