@@ -116,15 +116,21 @@ impl Header {
 
     /// Names sorted as `keys()` returns them.
     pub fn sorted_names(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();
-        names.sort_unstable();
-        names
+        let names = keys_order(&self.tensors).into_iter();
+        names.map(|i| self.tensors[i].name.as_str()).collect()
     }
 
     /// Bytes of tensor data.
     pub fn data_len(&self) -> u64 {
         self.tensors.last().map_or(0, |t| t.end as u64)
     }
+}
+
+/// Indices of `tensors` in the order `keys()` gives their names (byte order, as safetensors sorts).
+pub fn keys_order(tensors: &[TensorInfo]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_unstable_by(|&a, &b| tensors[a].name.cmp(&tensors[b].name));
+    order
 }
 
 /// Reads the 8-byte prefix; checks N against the cap and the file length.

@@ -40,13 +40,9 @@ impl Shared {
         }
     }
 
-    /// Indices of the items in the order of their names (made once).
+    /// Indices of the items in the order `keys()` gives their names (made once).
     pub(super) fn name_order(&self) -> &[usize] {
-        self.name_order.get_or_init(|| {
-            let mut order: Vec<usize> = (0..self.items.len()).collect();
-            order.sort_unstable_by(|&a, &b| self.items[a].name.cmp(&self.items[b].name));
-            order
-        })
+        (self.name_order).get_or_init(|| crate::header::keys_order(&self.items))
     }
 
     /// Waits a while for the workers, then checks for cancellation. `poll` may wait for the

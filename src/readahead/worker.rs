@@ -126,7 +126,8 @@ impl Drop for ReadAhead {
 }
 
 impl Shared {
-    /// A worker: claims batches in file order and reads them until the walk is over or stopped.
+    /// A worker: claims batches in the walk's order and reads them until the walk is over or
+    /// stopped.
     fn work(&self) {
         if self.lock().by_name {
             self.name_order(); // made here, not under the lock of a claim
@@ -280,11 +281,11 @@ impl Shared {
     }
 }
 
-/// The data spans `[begin, end)` of `infos` (in file order whatever theirs), tensors that follow each other in
-/// the file joined into one, each with the name of its first tensor: a batch of thousands of small
-/// tensors is made resident with a few system calls, not two for each tensor (measured: cold
-/// `load_file` of 20,000 tensors, 0.13 GiB, 265 -> 174 ms). A gap (a tensor left out of a plan,
-/// rows not asked for) is not read.
+/// The data spans `[begin, end)` of `infos` (in file order, whatever order `infos` are in),
+/// tensors that follow each other in the file joined into one, each with the name of its first
+/// tensor: a batch of thousands of small tensors is made resident with a few system calls, not two
+/// for each tensor (measured: cold `load_file` of 20,000 tensors, 0.13 GiB, 265 -> 174 ms). A gap
+/// (a tensor left out of a plan, rows not asked for) is not read.
 fn spans<'a>(infos: &[&'a TensorInfo]) -> Vec<(&'a str, usize, usize)> {
     let mut infos = infos.to_vec();
     infos.sort_by_key(|t| t.begin); // a walk in name order claims tensors of several runs
