@@ -4,7 +4,6 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::ptr::NonNull;
 
@@ -12,8 +11,8 @@ use super::FsKind;
 use super::Uncached;
 
 pub use super::unix::{
-    cached_fraction, file_len, fork_generation, page_size, read_at, read_vectored_at,
-    unmap_anonymous,
+    cached_fraction, file_len, fork_generation, open_read, page_size, read_at, read_vectored_at,
+    special_kind, unmap_anonymous,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -25,11 +24,7 @@ pub const MAP_ALIGN: usize = 2 << 20;
 const DIRECT_ALIGN: u64 = 4096;
 
 pub fn open_uncached(path: &Path) -> Option<Uncached> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()?;
+    let file = open_read(path, libc::O_DIRECT).ok()?;
     let align = if accepts_unaligned(&file) {
         1
     } else {

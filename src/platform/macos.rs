@@ -13,8 +13,8 @@ use super::FsKind;
 use super::Uncached;
 
 pub use super::unix::{
-    cached_fraction, file_len, fork_generation, page_size, read_at, read_vectored_at,
-    unmap_anonymous,
+    cached_fraction, file_len, fork_generation, open_read, page_size, read_at, read_vectored_at,
+    special_kind, unmap_anonymous,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -23,7 +23,7 @@ pub const MAP_IS_SAFE: bool = true;
 pub const MAP_ALIGN: usize = 16 << 10;
 
 pub fn open_uncached(path: &Path) -> Option<Uncached> {
-    let file = File::open(path).ok()?;
+    let file = open_read(path, 0).ok()?;
     // SAFETY: fcntl on an open fd with an integer argument.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) } == -1 {
         return None;

@@ -97,6 +97,33 @@ pub fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usi
     Ok(done)
 }
 
+/// Opens `path` to read, refusing at once what is not a regular file: a directory ("Is a
+/// directory", as the OS says it), a FIFO (opened without waiting for a writer, which would
+/// block for ever), a character or block device (`/dev/zero` reads without end), a socket. The
+/// file is checked after it is opened, so a path swapped between a check and the open is caught.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    os::open_read(path, 0)
+}
+
+/// `Ok` when `file` (just opened without blocking) is a regular file; else the error naming what
+/// it is.
+fn regular(file: &File) -> io::Result<()> {
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    if kind.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::IsADirectory,
+            "Is a directory",
+        ));
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("not a regular file: {}", os::special_kind(&kind)),
+    ))
+}
+
 /// Opens `path` for reads that bypass the page cache, or None where the OS or the filesystem
 /// refuses (a read may still fail later with `InvalidInput`: then read buffered).
 pub fn open_uncached(path: &Path) -> Option<Uncached> {

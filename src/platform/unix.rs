@@ -30,6 +30,44 @@ pub fn read_vectored_at(
     }
 }
 
+/// Opens `path` read-only with `flags`, without waiting (`O_NONBLOCK`: a FIFO's open returns at
+/// once instead of waiting for a writer), refuses what is not a regular file
+/// ([`super::regular`]), then reads block again.
+pub fn open_read(path: &std::path::Path, flags: libc::c_int) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags | libc::O_NONBLOCK)
+        .open(path)?;
+    super::regular(&file)?;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor we own, with integer arguments.
+    let cleared = unsafe {
+        let status = libc::fcntl(fd, libc::F_GETFL);
+        status >= 0 && libc::fcntl(fd, libc::F_SETFL, status & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// What a file that is neither regular nor a directory is, for messages.
+pub fn special_kind(kind: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a special file"
+    }
+}
+
 pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     std::os::unix::fs::FileExt::read_at(file, buf, offset)
 }

@@ -71,12 +71,24 @@ pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     file.seek_read(buf, offset)
 }
 
-pub fn open_uncached(path: &Path) -> Option<Uncached> {
+/// Opens `path` to read with the `flags` of `CreateFileW`, refusing what is not a regular file
+/// ([`super::regular`]): a device or a pipe (opening one does not wait on Windows).
+pub fn open_read(path: &Path, flags: u32) -> io::Result<File> {
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(FILE_FLAG_NO_BUFFERING)
-        .open(path)
-        .ok()?;
+        .custom_flags(flags)
+        .open(path)?;
+    super::regular(&file)?;
+    Ok(file)
+}
+
+/// What a file that is neither regular nor a directory is, for messages.
+pub fn special_kind(_kind: &std::fs::FileType) -> &'static str {
+    "a device or a pipe"
+}
+
+pub fn open_uncached(path: &Path) -> Option<Uncached> {
+    let file = open_read(path, FILE_FLAG_NO_BUFFERING).ok()?;
     Some(Uncached {
         file,
         align: UNCACHED_ALIGN,

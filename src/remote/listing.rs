@@ -57,6 +57,11 @@ impl Place for Store<'_> {
         path_part(at).ends_with(".json")
     }
 
+    /// A name is checked as the server will read it too: percent-decoded.
+    fn refuse(&self, name: &str) -> Option<&'static str> {
+        super::url_outside(name)
+    }
+
     fn read(&self, at: &Path) -> Result<Vec<u8>> {
         Object::fetch_all(&at.to_string_lossy(), self.options).map_err(|e| Error::remote(at, e))
     }

@@ -15,11 +15,10 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
 use super::{Options, store};
+use crate::shards::INDEX_BYTES;
 
 /// Bytes asked for at open: the 8-byte length and, for most files, the whole JSON header.
 const PROBE_BYTES: u64 = 1 << 16;
-/// The most an index (`*.index.json`) may hold.
-pub const INDEX_BYTES: usize = 64 << 20;
 /// Attempts at one range: `object_store` retries requests and resumes bodies itself (where the
 /// server sends an ETag); one more request from the first missing byte covers the rest.
 const ATTEMPTS: usize = 2;
@@ -203,7 +202,7 @@ impl Object {
         }
     }
 
-    /// The whole of a small object (an index.json): at most [`INDEX_BYTES`].
+    /// The whole of a small object (an index.json): at most [`INDEX_BYTES`], as a local index.
     pub fn fetch_all(url: &str, options: &Options) -> io::Result<Vec<u8>> {
         let (store, location) = store::locate(url, options)?;
         Self::fetch_located(store.as_ref(), &location, url)
@@ -218,7 +217,7 @@ impl Object {
         wait(None, async {
             let got = (store.get_opts(location, GetOptions::default()).await)
                 .map_err(|e| to_io(url, e))?;
-            collect(got.into_stream(), url, INDEX_BYTES, || {
+            collect(got.into_stream(), url, INDEX_BYTES as usize, || {
                 io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!(

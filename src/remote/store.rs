@@ -102,15 +102,19 @@ pub fn locate_as(
 
 /// `hf://[datasets/|spaces/]ORG/REPO[@REVISION]/PATH`: a file or folder of a Hub repository,
 /// under `HF_ENDPOINT` (else https://huggingface.co), at the revision named (else `main`).
+/// Parsed and checked once, before any request: the repository id as huggingface_hub's
+/// `validate_repo_id` takes it, the revision as git takes a ref name (percent-decoded, as
+/// huggingface_hub's file system reads `@refs%2Fpr%2F1`), the path as a file inside the
+/// repository ([`super::url_outside`]); so no URL of one can reach another repository.
 pub struct Hub {
     endpoint: String,
     /// "models", "datasets" or "spaces".
     kind: &'static str,
     /// ORG/REPO.
     repo: String,
-    /// URL-encoded (`refs/pr/1` as `refs%2Fpr%2F1`).
+    /// Decoded (`refs/pr/1`); encoded whole where a URL holds it.
     revision: String,
-    /// In the repository, without a leading or trailing `/`.
+    /// In the repository, decoded, without a leading or trailing `/`.
     pub path: String,
 }
 
@@ -120,30 +124,46 @@ impl Hub {
         let Some(rest) = url.strip_prefix("hf://") else {
             return Ok(None);
         };
+        let bad = |why: String| {
+            invalid(format!(
+                "{url}: {why} (expected hf://[datasets/|spaces/]ORG/REPO[@REVISION][/PATH])"
+            ))
+        };
         let (kind, rest) = match rest.split_once('/') {
             Some(("datasets", rest)) => ("datasets", rest),
             Some(("spaces", rest)) => ("spaces", rest),
             _ => ("models", rest),
         };
         let mut parts = rest.splitn(3, '/');
-        let (Some(org), Some(repo)) = (parts.next().filter(|p| !p.is_empty()), parts.next()) else {
-            return Err(invalid(format!(
-                "{url}: expected hf://ORG/REPO[@REVISION]/FILE"
-            )));
+        let (Some(org), Some(repo)) = (parts.next(), parts.next()) else {
+            return Err(bad("no repository".into()));
         };
-        let path = parts
-            .next()
-            .unwrap_or_default()
-            .trim_matches('/')
-            .to_string();
         let (repo, revision) = repo.split_once('@').unwrap_or((repo, "main"));
+        let repo_id = format!("{org}/{repo}");
+        if let Some(why) = repo_id_refused(org, repo) {
+            return Err(bad(format!("repository id {repo_id:?}: {why}")));
+        }
+        let revision = super::percent_decoded(revision).unwrap_or_else(|| revision.to_string());
+        if let Some(why) = revision_refused(&revision) {
+            return Err(bad(format!("revision {revision:?}: {why}")));
+        }
+        let written = parts.next().unwrap_or_default().trim_end_matches('/');
+        if let Some(why) = (!written.is_empty())
+            .then(|| super::url_outside(written))
+            .flatten()
+        {
+            return Err(bad(format!(
+                "path {written:?} is not a file in the repository ({why})"
+            )));
+        }
+        let path = super::percent_decoded(written).unwrap_or_else(|| written.to_string());
         let endpoint =
             std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
         Ok(Some(Hub {
             endpoint: endpoint.trim_end_matches('/').to_string(),
             kind,
-            repo: format!("{org}/{repo}"),
-            revision: revision.replace('/', "%2F"),
+            repo: repo_id,
+            revision,
             path,
         }))
     }
@@ -156,28 +176,75 @@ impl Hub {
             "datasets" => "datasets/",
             _ => "spaces/",
         };
-        let (endpoint, repo, revision, path) =
-            (&self.endpoint, &self.repo, &self.revision, &self.path);
+        let (endpoint, repo) = (&self.endpoint, &self.repo);
+        let (revision, path) = self.encoded();
         format!("{endpoint}/{kind}{repo}/resolve/{revision}/{path}")
     }
 
     /// The Hub API's listing of the folder (`/api/{kind}/ORG/REPO/tree/REVISION/PATH`: a JSON
     /// array of `{"type": "file" | "directory", "path": ...}`, as huggingface_hub lists it).
     pub fn tree_url(&self) -> String {
-        let (endpoint, kind, repo, revision, path) = (
-            &self.endpoint,
-            self.kind,
-            &self.repo,
-            &self.revision,
-            &self.path,
-        );
+        let (endpoint, kind, repo) = (&self.endpoint, self.kind, &self.repo);
+        let (revision, path) = self.encoded();
         format!("{endpoint}/api/{kind}/{repo}/tree/{revision}/{path}")
+    }
+
+    /// The revision and the path as a URL holds them (huggingface_hub's quoting).
+    fn encoded(&self) -> (String, String) {
+        (
+            super::percent_encoded(&self.revision, false),
+            super::percent_encoded(&self.path, true),
+        )
     }
 
     /// The `Authorization` huggingface_hub would send (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, else
     /// the token file under `HF_TOKEN_PATH` / `HF_HOME` / `~/.cache/huggingface`).
     pub fn authorization(&self) -> Option<String> {
         hub_token().map(|t| format!("Bearer {t}"))
+    }
+}
+
+/// Why `ORG/REPO` is not a repository id huggingface_hub's `validate_repo_id` accepts: each part
+/// letters, digits, `-`, `_`, `.`, starting and ending with a letter, a digit or `_`; no `--` or
+/// `..`; no `.git` at the end; 96 characters at most.
+fn repo_id_refused(org: &str, repo: &str) -> Option<&'static str> {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let part_ok = |p: &str| {
+        p.chars().all(|c| word(c) || c == '-' || c == '.')
+            && p.starts_with(word)
+            && p.ends_with(word)
+    };
+    let doubled = |p: &str| p.contains("--") || p.contains("..");
+    if !part_ok(org) || !part_ok(repo) {
+        Some("letters, digits, '-', '_' and '.', from and to a letter, a digit or '_'")
+    } else if doubled(org) || doubled(repo) {
+        Some("'--' and '..' are not allowed")
+    } else if repo.ends_with(".git") {
+        Some("it cannot end with '.git'")
+    } else if org.len() + 1 + repo.len() > 96 {
+        Some("longer than 96 characters")
+    } else {
+        None
+    }
+}
+
+/// Why `revision` (decoded) is not a ref name or commit git takes: git's rules for ref names
+/// (`git check-ref-format`): no `..`, `@{`, control characters, space, `~^:?*[\`; no empty part,
+/// no part starting with `.`.
+fn revision_refused(revision: &str) -> Option<&'static str> {
+    if revision.is_empty() {
+        Some("empty")
+    } else if revision.contains("..") || revision.contains("@{") {
+        Some("'..' and '@{' are not allowed")
+    } else if (revision.chars()).any(|c| c.is_control() || " ~^:?*[\\".contains(c)) {
+        Some("a control character, a space or one of ~^:?*[\\ is not allowed")
+    } else if revision
+        .split('/')
+        .any(|p| p.is_empty() || p.starts_with('.'))
+    {
+        Some("an empty part or a part starting with '.' is not allowed")
+    } else {
+        None
     }
 }
 
@@ -391,5 +458,60 @@ mod tests {
         assert_eq!(path.as_ref(), "m/x.safetensors");
         let (store, _) = locate("s3://b/m/x.safetensors", &[]).unwrap();
         assert!(format!("{store}").contains("AmazonS3"), "{store}");
+    }
+
+    #[test]
+    fn hub_urls_are_checked_before_any_url_is_built() {
+        let hub = |u: &str| Hub::parse(u).unwrap().unwrap();
+        let h = hub("hf://acme/tiny@refs%2Fpr%2F1/unet/a%20b.safetensors");
+        assert_eq!((h.kind, h.repo.as_str()), ("models", "acme/tiny"));
+        assert_eq!(
+            (h.revision.as_str(), h.path.as_str()),
+            ("refs/pr/1", "unet/a b.safetensors")
+        );
+        assert!(
+            h.resolve_url()
+                .ends_with("/acme/tiny/resolve/refs%2Fpr%2F1/unet/a%20b.safetensors")
+        );
+        assert!(
+            h.tree_url()
+                .ends_with("/api/models/acme/tiny/tree/refs%2Fpr%2F1/unet/a%20b.safetensors")
+        );
+        let h = hub("hf://datasets/my-org/data.set_1@0123abcd/");
+        assert_eq!(
+            (h.kind, h.repo.as_str(), h.path.as_str()),
+            ("datasets", "my-org/data.set_1", "")
+        );
+        assert!(Hub::parse("s3://b/k").unwrap().is_none());
+        for (url, why) in [
+            ("hf://org/repo/../../other/repo2/model.safetensors", "'..'"),
+            (
+                "hf://org/repo/%2e%2e/%2E%2E/other/repo2/model.safetensors",
+                "'..'",
+            ),
+            ("hf://org/repo/sub%2f..%2f..%2fx.safetensors", "'..'"),
+            ("hf://org/repo/..\\..\\other\\x.safetensors", "backslash"),
+            ("hf://org/repo//etc/x.safetensors", "absolute"),
+            ("hf://org/repo/x.safetensors?y", "'?'"),
+            ("hf://../repo/x.safetensors", "repository id"),
+            ("hf://org/../x.safetensors", "repository id"),
+            ("hf://org/re..po/x.safetensors", "'..'"),
+            ("hf://org/re--po/x.safetensors", "'--'"),
+            ("hf://org/repo.git/x.safetensors", ".git"),
+            ("hf://%2e%2e/repo/x.safetensors", "repository id"),
+            ("hf://org\\x/repo/x.safetensors", "repository id"),
+            ("hf://org/repo@../../other/x.safetensors", "revision"),
+            ("hf://org/repo@%2e%2e/x.safetensors", "revision"),
+            ("hf://org/repo@a%2F..%2Fb/x.safetensors", "revision"),
+            ("hf://org/repo@/x.safetensors", "revision"),
+            ("hf://org/repo@ma\\in/x.safetensors", "revision"),
+            ("hf://org", "no repository"),
+        ] {
+            let err = Hub::parse(url)
+                .err()
+                .unwrap_or_else(|| panic!("{url} let through"));
+            assert!(err.to_string().contains(why), "{url}: {err}");
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        }
     }
 }

@@ -4,7 +4,6 @@
 //! Here: the file, its strategy and its map; a slice's rows and spans of the data area in
 //! `ranges`, whole tensors (typed targets, new memory, map views) in `tensors`.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 pub use crate::backing::Backing;
@@ -63,15 +62,10 @@ impl Source {
             path: path.to_path_buf(),
             source,
         };
-        let file = File::open(path).map_err(open_err)?;
-        let meta = file.metadata().map_err(open_err)?;
-        if meta.is_dir() {
-            return Err(open_err(std::io::Error::new(
-                std::io::ErrorKind::IsADirectory,
-                "Is a directory",
-            )));
-        }
-        let file_len = meta.len();
+        // A FIFO, a device or a directory is refused at once (a FIFO's open would wait for a
+        // writer for ever, `/dev/zero` has no end).
+        let file = platform::open_regular(path).map_err(open_err)?;
+        let file_len = file.metadata().map_err(open_err)?.len();
         let header_err = |reason| Error::header(Some(path), reason);
         let mut prefix = [0u8; 8];
         let got = platform::read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
