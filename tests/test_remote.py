@@ -359,6 +359,62 @@ def test_secrets_in_urls_never_reach_messages_or_logs(http, mixed, caplog):
         _no_secret(line)
 
 
+#: A password and a token each with a `(` inside: once, the URL's end was found at the `(`, and
+#: what followed it (and the whole password) was printed.
+BRACKETED = ("PA55(W0RD", "T0K3N(V4LUE")
+
+
+def _with_bracketed_secrets(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://user:{BRACKETED[0]}@{rest}?token={BRACKETED[1]}&revision=main"
+
+
+def _no_bracketed_secret(text: str) -> None:
+    for secret in BRACKETED:
+        for part in secret.split("("):
+            assert part not in text, f"{part!r} of {secret!r} leaked: {text}"
+
+
+def test_a_bracket_in_a_secret_does_not_let_it_into_an_os_error(http, mixed, caplog):
+    """The FileNotFoundError of a missing object (its str, repr, args, filename) and the DEBUG log
+    of a read name the URL without a password or a token that has a `(` inside."""
+    missing = _with_bracketed_secrets(f"{http.url}/models/missing.safetensors")
+    with caplog.at_level(logging.DEBUG, logger="safeload"):
+        for load in (lambda url: safeload.safe_open(url, "pt"), safeload.torch.load_file,
+                     safeload.torch.load_checkpoint):
+            with pytest.raises(FileNotFoundError) as e:
+                load(missing)
+            error = e.value
+            for text in (str(error), repr(error), repr(error.args), repr(error.filename), repr(error.filename2)):
+                _no_bracketed_secret(text)
+            assert "/models/missing.safetensors?token=REDACTED&revision=main" in str(error), str(error)
+            assert "127.0.0.1" in str(error)
+        safeload.torch.load_file(_with_bracketed_secrets(f"{http.url}/models/mixed.safetensors"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "safeload"]
+    assert any("mixed.safetensors?token=REDACTED&revision=main" in line for line in lines), lines
+    for line in lines + [caplog.text]:
+        _no_bracketed_secret(line)
+
+
+def test_the_command_line_names_a_url_without_its_secrets(http, mixed, capsys):
+    """``safeload inspect`` / ``verify`` on a URL: its lines (OK, FAIL, the error) show no secret."""
+    from safeload import cli
+
+    path, _ = mixed
+    url = _with_bracketed_secrets(f"{http.url}/models/mixed.safetensors")
+    missing = _with_bracketed_secrets(f"{http.url}/models/missing.safetensors")
+    assert cli.main(["inspect", "--json", url]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["file_bytes"] == os.path.getsize(path)
+    assert cli.main(["verify", url, missing]) == 1
+    assert cli.main(["inspect", missing]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("OK http://***@127.0.0.1:") and "\nFAIL http://***@" in captured.out
+    assert captured.err.startswith("safeload inspect: http://***@127.0.0.1:"), captured.err
+    for text in (out, captured.out, captured.err):
+        _no_bracketed_secret(text)
+
+
 def test_a_stalled_server_fails_the_open_and_the_read_within_its_read_timeout(http, big):
     """A body that stops sending (after its headers) is an error after `read_timeout` without a
     byte: in the header read at open and in data reads; never a hang."""

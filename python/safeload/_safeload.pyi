@@ -29,6 +29,7 @@ __all__ = [
     "release_memory",
     "pooled_bytes",
     "memory_info",
+    "redact",
     "serialize",
     "staging_plan",
     "staging_ring",
@@ -292,6 +293,7 @@ def staging_ring(ring_buffers: Optional[int] = None, buffer_bytes: Optional[int]
 def release_memory() -> int: ...
 def memory_info() -> Dict[str, Optional[int]]: ...
 def pooled_bytes() -> int: ...
+def redact(text: str) -> str: ...
 
 @final
 class TensorSpec:

@@ -80,6 +80,7 @@ def _human(n: int) -> str:
 
 def inspect_file(path: str, as_json: bool = False, out: Any = None) -> int:
     from ._open import safe_open
+    from ._safeload import redact
 
     out = out or sys.stdout
     with safe_open(path, "np", backend="pread") as f:
@@ -89,8 +90,9 @@ def inspect_file(path: str, as_json: bool = False, out: Any = None) -> int:
             for i in h.infos()
         ]
         info = {
-            "path": os.fspath(path),
-            "file_bytes": os.path.getsize(path),
+            "path": redact(os.fspath(path)),  # a URL without its user info and tokens
+            # The header's rule (tensors cover the data exactly) gives it, for a URL too.
+            "file_bytes": h.data_start + max((r["end"] for r in rows), default=0),
             "data_start": h.data_start,
             "metadata": f.metadata(),
             "tensor_count": len(rows),
@@ -134,7 +136,7 @@ VERIFY_BATCH_BYTES = 1 << 30
 
 def verify_file(path: str, threads: Optional[int] = None) -> str:
     """Verifies one file; returns its ``OK ...`` line, raises on any failure."""
-    from ._safeload import Checkpoint, Handle, SafetensorError
+    from ._safeload import Checkpoint, Handle, SafetensorError, redact
 
     if os.path.isdir(path):
         raise SafetensorError("is a directory")
@@ -161,10 +163,13 @@ def verify_file(path: str, threads: Optional[int] = None) -> str:
     finally:
         primary.close()
         mirror.close()
-    return f"OK {path} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {stats.backend}, {stats.gib_per_s:.2f} GiB/s)"
+    shown = redact(os.fspath(path))  # a URL without its user info and tokens
+    return f"OK {shown} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {stats.backend}, {stats.gib_per_s:.2f} GiB/s)"
 
 
 def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:
+    from ._safeload import redact
+
     out = out or sys.stdout
     failed = 0
     for path in paths:
@@ -173,7 +178,7 @@ def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any =
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the rest still run
             failed += 1
             message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            line = f"FAIL {path}: {message or type(exc).__name__}"
+            line = f"FAIL {redact(os.fspath(path))}: {message or type(exc).__name__}"
         out.write(line + "\n")
         out.flush()
     return 1 if failed else 0
@@ -203,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         if args.command == "inspect":
-            from ._safeload import SafetensorError
+            from ._safeload import SafetensorError, redact
 
             try:
                 return inspect_file(args.file, as_json=args.json)
@@ -211,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
             except (OSError, SafetensorError) as exc:
                 message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-                print(f"safeload inspect: {args.file}: {message}", file=sys.stderr)
+                print(f"safeload inspect: {redact(args.file)}: {message}", file=sys.stderr)
                 return 1
         if args.command == "verify":
             if args.threads is not None and args.threads < 1:

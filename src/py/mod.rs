@@ -55,6 +55,14 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(info)
 }
 
+/// `text` with every URL in it stripped of its user info and secret query values, as every
+/// message of the core is ([`crate::redact::redact`]): for the messages Python words itself
+/// (the command line's `OK <url>` / `FAIL <url>` lines).
+#[pyfunction]
+fn redact(text: &str) -> String {
+    crate::redact::redact(text).into_owned()
+}
+
 /// A path as messages and logs show it: a URL without its secrets ([`crate::redact::redact`]).
 fn shown(path: &std::path::Path) -> std::path::PathBuf {
     match path.to_str() {
@@ -107,6 +115,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
+    m.add_function(wrap_pyfunction!(redact, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
