@@ -1,5 +1,6 @@
 //! The reader: workers claim chunks of a [`Plan`] in offset order and `preadv` them straight into
-//! their destinations. One pass over every byte, no intermediate copy, no Python.
+//! their destinations. One pass over every byte, no intermediate copy, no Python. A chunk read
+//! in full still fails when the file no longer covers it ([`backing::confirm_covered`]).
 //!
 //! The calling thread does not read when workers run: it waits and calls `poll` every few
 //! milliseconds, so a binding can check for Ctrl-C and cancel promptly.
@@ -11,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backing::Backing;
+use crate::backing::{self, Backing, ended_early};
 use crate::buffer::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan, Segment, Transform};
@@ -108,7 +109,8 @@ impl<'a> Files<'a> {
             return shared;
         }
         if self.fds[i].is_none() {
-            self.fds[i] = File::open(input.path).ok();
+            // A path swapped for a FIFO since the source opened it is refused, not waited on.
+            self.fds[i] = platform::open_regular(input.path).ok();
         }
         self.fds[i].as_ref().unwrap_or(shared)
     }
@@ -231,7 +233,7 @@ impl<'a> Worker<'a> {
     }
 
     /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
-    /// the chunk's own bytes.
+    /// the chunk's own bytes once the file is confirmed to still cover them.
     fn read_aligned(&mut self, direct: &Uncached, chunk: &Chunk) -> IoBytes<'_> {
         let align = direct.align;
         let start = chunk.offset / align * align;
@@ -254,7 +256,7 @@ impl<'a> Worker<'a> {
             match platform::read_at(&direct.file, &mut bounce[got..span], start + got as u64) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err((got.saturating_sub(head), e)),
-                Ok(0) => return Err((got.saturating_sub(head), eof(need - got))),
+                Ok(0) => return Err((got.saturating_sub(head), ended_early(need - got))),
                 Ok(n) => got += n,
             }
             if got < need && !(got as u64).is_multiple_of(align) {
@@ -265,25 +267,24 @@ impl<'a> Worker<'a> {
                 let at = start + from as u64;
                 let n = platform::read_fully_at(file, rest, at).map_err(|e| (from - head, e))?;
                 if n < rest.len() {
-                    return Err((from - head + n, eof(rest.len() - n)));
+                    return Err((from - head + n, ended_early(rest.len() - n)));
                 }
                 break;
             }
         }
+        backing::confirm_covered(&direct.file, chunk.offset, chunk.len)?;
         Ok(&bounce[head..need])
     }
 }
 
-/// Reads a chunk's bytes into `scratch` (grown as needed); returns them.
+/// Reads a chunk's bytes into `scratch` (grown as needed; [`backing::read_exact_at`]); returns
+/// them.
 fn read_into_scratch<'s>(scratch: &'s mut Vec<u8>, file: &File, chunk: &Chunk) -> IoBytes<'s> {
     if scratch.len() < chunk.len {
         scratch.resize(chunk.len, 0);
     }
     let buf = &mut scratch[..chunk.len];
-    let n = platform::read_fully_at(file, buf, chunk.offset).map_err(|e| (0, e))?;
-    if n < buf.len() {
-        return Err((n, eof(buf.len() - n)));
-    }
+    backing::read_exact_at(file, buf, chunk.offset)?;
     Ok(buf)
 }
 
@@ -312,13 +313,6 @@ fn distribute(bytes: &[u8], segments: &[Segment]) -> IoResult {
 /// On failure: how many of the chunk's bytes were read before the error, and the error.
 type IoResult = std::result::Result<(), (usize, io::Error)>;
 type IoBytes<'b> = std::result::Result<&'b [u8], (usize, io::Error)>;
-
-fn eof(missing: usize) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::UnexpectedEof,
-        format!("file ended early, {missing} bytes missing (truncated while reading?)"),
-    )
-}
 
 /// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
 pub fn execute(
@@ -412,8 +406,9 @@ fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
     segments.last().map_or(0, |s| s.tensor)
 }
 
-/// Fills every segment from `offset` on, retrying short reads and EINTR.
-/// On failure returns how many bytes were read before it.
+/// Fills every segment from `offset` on, retrying short reads and EINTR; then confirms the file
+/// still covers them ([`backing::confirm_covered`]). On failure returns how many bytes were read
+/// before it.
 fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
     let mut bufs: Vec<IoSliceMut<'_>> = segments
         .iter()
@@ -427,14 +422,14 @@ fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
         match platform::read_vectored_at(file, rest, offset + done as u64) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err((done, e)),
-            Ok(0) => return Err((done, eof(rest.iter().map(|b| b.len()).sum()))),
+            Ok(0) => return Err((done, ended_early(rest.iter().map(|b| b.len()).sum()))),
             Ok(n) => {
                 done += n;
                 IoSliceMut::advance_slices(&mut rest, n);
             }
         }
     }
-    Ok(())
+    backing::confirm_covered(file, offset, done)
 }
 
 /// Maps the destination pages of one read ahead of it ([`platform::prefault`]): destinations
@@ -556,6 +551,44 @@ mod tests {
             );
         }
         std::fs::remove_file(path).unwrap();
+    }
+
+    /// A read that gets every byte it asked for, of a file whose length says it no longer holds
+    /// them, is what a read racing a truncation returns on Linux: the size is lowered first, the
+    /// cut-off part of the page the read holds zeroed after. `/dev/zero` is such a file at once:
+    /// every read is answered in full (zeros), and its length is 0.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn full_read_the_file_no_longer_covers_names_tensor_and_offset() {
+        let path = Path::new("/dev/zero");
+        let zeros = Backing::File(File::open(path).unwrap());
+        for converts in [false, true] {
+            let mut bufs = crate::buffer::allocate(&[50, if converts { 160 } else { 80 }]).unwrap();
+            let [first, second] = &mut bufs[..] else {
+                unreachable!()
+            };
+            let mut plan = Plan::new(1 << 20);
+            plan.add(0, 4096, first.as_mut_slice(), "first");
+            let (f16, f32) = (crate::dtype::Dtype::F16, crate::dtype::Dtype::F32);
+            match converts {
+                true => plan.add_converting(0, 4146, second.as_mut_slice(), f16, f32, "second"),
+                false => plan.add(0, 4146, second.as_mut_slice(), "second"),
+            }
+            let inputs = [Input {
+                path,
+                backing: &zeros,
+                direct: None,
+            }];
+            let err = execute(&inputs, &plan, settings(1), &mut || false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("tensor first")
+                    && err.contains("offset 4096")
+                    && err.contains("130 bytes missing (truncated while reading?)"),
+                "converts {converts}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -109,6 +109,65 @@ def test_file_truncated_while_loading_is_an_error_naming_file_tensor_offset(tmp_
         assert "ended early" in message
 
 
+# A read racing a truncation on Linux can return its full length with zeros in it (issue 52): the
+# size is lowered first, then the cut-off part of the large folio straddling the new end is
+# zeroed in place, and a read that sampled the old size and holds that folio copies the zeros.
+# No byte count tells; the file's length asked after the read does. slowfs --zero-cut plays that
+# interleaving exactly: the first read reaching past the cut is answered in full with zeros from
+# the cut on, and the size reported from the next getattr on (--attr-timeout 0: the kernel asks
+# at every lseek/fstat) is the cut one. --direct-io: every read(2) goes to the daemon as is, and
+# the kernel asks no size while it reads.
+ZERO_CUT_CALLS = ["get_tensor", "get_slice", "get_slice_rows", "get_tensors", "load_file"]
+
+
+@pytest.fixture(scope="module")
+def zero_cut_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero-cut")
+    # No zero anywhere in y (2 MiB, the last tensor): zeros can only come from the cut.
+    tensors = {"x": torch.arange(1024, dtype=torch.float32),
+               "y": torch.arange(1, 1 + (512 << 10), dtype=torch.float32).reshape(512, 1024)}
+    st.save_file(tensors, root / "model.safetensors")
+    return root, tensors
+
+
+def read_y(path, call, backend, x):
+    """Tensor y of `path` as `call` reads it (the handle closed on return: its descriptor would
+    keep the mount busy)."""
+    if call == "load_file":
+        return sl.load_file(path, backend=backend)["y"]
+    with safeload.safe_open(path, "pt", backend=backend) as f:
+        if call == "get_tensor":
+            assert torch.equal(f.get_tensor("x"), x)
+            return f.get_tensor("y")
+        if call == "get_slice":
+            return f.get_slice("y")[...]
+        if call == "get_slice_rows":  # short rows: gathered from spans, not read by the engine
+            return f.get_slice("y")[:, :4]
+        return f.get_tensors()["y"]
+
+
+@pytest.mark.skipif(bool(slowfs.fuse_unavailable()), reason=str(slowfs.fuse_unavailable()))
+@pytest.mark.parametrize("backend", ["pread", "direct"])
+@pytest.mark.parametrize("call", ZERO_CUT_CALLS)
+def test_truncation_read_as_zeros_is_an_error_never_zeros(zero_cut_file, tmp_path, call, backend):
+    root, tensors = zero_cut_file
+    data = (root / "model.safetensors").read_bytes()
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    cut = len(data) - (1 << 20)  # y's last MiB, as in the issue
+    # Once the open has read the header, the first read reaching past the cut (inside y) cuts.
+    mount = ("--zero-cut", f"model.safetensors:{cut}:{data_start}", "--direct-io", "--attr-timeout", "0")
+    with slowfs.mounted(str(root), str(tmp_path / "mnt"), *mount) as mnt:
+        try:
+            got = read_y(os.path.join(mnt, "model.safetensors"), call, backend, tensors["x"])
+        except safeload.SafetensorError as e:
+            message = str(e)
+        else:
+            pytest.fail(f"{call} returned y, {int((got == 0).sum())} of its elements zero, and no error")
+        assert mnt.stats()["zeroed"] >= 1  # the read was answered in full with zeros, not short
+    assert "tensor y" in message and "truncated while reading" in message, message
+    assert f"offset {cut})" in message and "model.safetensors" in message, message
+
+
 def test_mmap_backend_documented_risk_sigbus_on_truncation(tmp_path, model):
     """The mmap backend (like safetensors' default) dies with SIGBUS when the file shrinks under a
     live tensor. `auto` maps local files as 0.8's default does (same risk, same speed), never

@@ -160,6 +160,32 @@ def test_shrink_after_some_bytes(mount, src):
         assert os.stat(path).st_size == 300000
 
 
+def test_zero_cut_answers_in_full_with_zeros_until_the_size_is_asked(mount, src):
+    _, data = src
+    with mount("--zero-cut", "a.bin:300000:200000", "--direct-io", "--attr-timeout", "0") as m:
+        path = os.path.join(m, "a.bin")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 299000) == data[299000:303096]  # 4096 < 200000 served
+            assert os.pread(fd, 262144, 0) == data[:262144]  # 200000 served, not past the cut
+            assert os.fstat(fd).st_size == SIZE
+            # The first request past the cut, and every one after it until the size is asked:
+            # answered in full, zeros from the cut on. No byte count tells the reader.
+            assert os.pread(fd, 200000, 200000) == data[200000:300000] + bytes(100000)
+            assert os.pread(fd, 4096, 500000) == bytes(4096)
+            assert os.pread(fd, 4096, 0) == data[:4096]
+            assert m.stats()["zeroed"] == 2
+            # The size asked now (attr_timeout 0: the kernel asks) is the cut one, and reads end
+            # there from then on.
+            assert os.lseek(fd, 0, os.SEEK_END) == 300000
+            assert os.pread(fd, 4096, 299000) == data[299000:300000]
+            assert os.pread(fd, 4096, 400000) == b""
+            assert os.fstat(fd).st_size == 300000
+            assert m.stats()["zeroed"] == 2
+        finally:
+            os.close(fd)
+
+
 def read_direct(path, size, offset=0):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:

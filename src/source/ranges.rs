@@ -82,16 +82,14 @@ impl Source {
                 span_end = next_end;
             }
             scratch.resize((span_end - start) as usize, 0);
-            let got = self
-                .backing
-                .read_fully_at(&mut scratch, start)
-                .map_err(|e| self.read_err(info, e))?;
-            if got < scratch.len() {
-                return Err(self.read_err(
-                    info,
-                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file ended early"),
-                ));
-            }
+            (self.backing.read_exact_at(&mut scratch, start)).map_err(|(kept, source)| {
+                Error::Read {
+                    path: self.path.clone(),
+                    tensor: info.name.clone(),
+                    offset: start + kept as u64,
+                    source,
+                }
+            })?;
             for (at, dest) in runs[i..=end_run].iter_mut() {
                 let from = (*at - start) as usize;
                 dest.copy_from_slice(&scratch[from..from + dest.len()]);

@@ -18,6 +18,22 @@
  *                            kernel takes a short answer for end of file).
  *   --shrink NAME:SIZE:AFTER once AFTER bytes of NAME have been served, NAME reports (getattr) and
  *                            serves at most SIZE bytes: a file truncated under the reader.
+ *   --zero-cut NAME:SIZE:AFTER
+ *                            a truncation that a reader sees as zeros, not as end of file: once
+ *                            AFTER bytes of NAME have been served, the first read request reaching
+ *                            past SIZE cuts NAME to SIZE. That request, and every one after it
+ *                            until the kernel next asks NAME's attributes (getattr, which reports
+ *                            SIZE from the cut on), is answered in full (the length asked for, as
+ *                            far as the real file goes) with its bytes at and beyond SIZE zeroed;
+ *                            from that getattr on NAME serves at most SIZE bytes, as --shrink.
+ *                            This is what a read racing a truncate on Linux returns: the size is
+ *                            lowered first, then the cut-off part of the page straddling the new
+ *                            end is zeroed in place, and a read that sampled the old size and holds
+ *                            that page copies the zeros and returns full length. With --direct-io
+ *                            the kernel asks no attributes while it reads, so the read(2) that
+ *                            reaches SIZE first returns full length, zeros past SIZE, whatever
+ *                            requests it is split into; with --attr-timeout 0 an fstat or
+ *                            lseek(SEEK_END) after it reaches getattr and sees SIZE.
  *   --hold-after BYTES       once BYTES have been served (all files), every further read request
  *                            waits until the test lets it go: a read of the hidden file
  *                            /.slowfs-release lets the requests waiting then go on (later ones
@@ -47,15 +63,19 @@
  *                            goes to the daemon as is (split at max_read/max_pages). Off by default.
  *   --keep-cache             FOPEN_KEEP_CACHE: keep the file's page cache across opens (default:
  *                            the kernel drops it on every open, so a fresh open reads cold).
+ *   --attr-timeout SECONDS   how long the kernel caches attributes, the size among them (libfuse's
+ *                            attr_timeout, default 1): 0 makes every fstat, lseek(SEEK_END) and
+ *                            (buffered) read ask getattr, so a size change shows at once.
  *   --threads N              most worker threads (256); --clone-fd: one /dev/fuse fd per worker.
  *   --fsname NAME            the mount's source name in /proc/mounts (default slowfs); `hf-mount`
  *                            makes it what transformers takes for an hf-mount FUSE mount.
  *   --debug                  libfuse's debug log on stderr.
  *
  * A hidden file /.slowfs-stats (not listed by readdir) reads as one line of counters,
- * "reads=N bytes=N inflight_max=N size_max=N size_min=N errors=N held=N", and reading it resets
- * the three peaks (inflight_max, size_max, size_min); held is how many requests --hold-after
- * holds now. At exit the same line is printed on stderr.
+ * "reads=N bytes=N inflight_max=N size_max=N size_min=N errors=N held=N zeroed=N", and reading it
+ * resets the three peaks (inflight_max, size_max, size_min); held is how many requests --hold-after
+ * holds now, zeroed how many --zero-cut answered with zeros. At exit the same line is printed on
+ * stderr.
  */
 #define _GNU_SOURCE
 #ifndef FUSE_USE_VERSION
@@ -87,7 +107,9 @@
 #define MAX_SPECS 64
 
 struct eio_spec { char *name; long long offset; };
-struct shrink_spec { char *name; long long size, after; unsigned long long served; };
+/* --shrink, and --zero-cut (zero set): `cut` once a request reached past SIZE, `asked` once
+ * getattr reported the cut. */
+struct shrink_spec { char *name; long long size, after; int zero; unsigned long long served; int cut, asked; };
 
 static struct {
 	char root[PATH_MAX];
@@ -99,8 +121,9 @@ static struct {
 	int threads;
 	const char *fsname;
 	long long hold_after;  /* -1: never hold */
+	double attr_timeout;   /* -1: libfuse's default */
 } opt = { .fsname = "slowfs",  .max_background = -1, .congestion_threshold = -1, .max_pages = -1, .max_readahead = -1,
-          .threads = 256, .hold_after = -1 };
+          .threads = 256, .hold_after = -1, .attr_timeout = -1 };
 
 /* --hold-after: requests wait for the round they arrived in to end (a read of RELEASE_PATH). */
 static pthread_mutex_t hold_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -109,7 +132,7 @@ static unsigned long long hold_round, held;
 static int hold_off;
 
 static struct {
-	unsigned long long reads, bytes, errors, inflight, inflight_max, size_max, size_min;
+	unsigned long long reads, bytes, errors, inflight, inflight_max, size_max, size_min, zeroed;
 } stats = { .size_min = ULLONG_MAX };
 
 static pthread_mutex_t link_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -146,9 +169,11 @@ static int stats_line(char *buf, size_t n, int reset)
 	pthread_mutex_lock(&hold_lock);
 	unsigned long long h = held;
 	pthread_mutex_unlock(&hold_lock);
-	int len = snprintf(buf, n, "reads=%llu bytes=%llu inflight_max=%llu size_max=%llu size_min=%llu errors=%llu held=%llu\n",
+	int len = snprintf(buf, n, "reads=%llu bytes=%llu inflight_max=%llu size_max=%llu size_min=%llu errors=%llu held=%llu "
+	                   "zeroed=%llu\n",
 	                   __atomic_load_n(&stats.reads, __ATOMIC_RELAXED), __atomic_load_n(&stats.bytes, __ATOMIC_RELAXED),
-	                   im, sm, sn == ULLONG_MAX ? 0ULL : sn, __atomic_load_n(&stats.errors, __ATOMIC_RELAXED), h);
+	                   im, sm, sn == ULLONG_MAX ? 0ULL : sn, __atomic_load_n(&stats.errors, __ATOMIC_RELAXED), h,
+	                   __atomic_load_n(&stats.zeroed, __ATOMIC_RELAXED));
 	if (reset) {
 		__atomic_store_n(&stats.inflight_max, __atomic_load_n(&stats.inflight, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 		__atomic_store_n(&stats.size_max, 0, __ATOMIC_RELAXED);
@@ -172,18 +197,34 @@ static struct shrink_spec *shrink_of(const char *name)
 	return NULL;
 }
 
-/* The size NAME shows now: its real size, or at most SIZE once AFTER bytes have been served. */
-static long long shown_size(const char *name, long long real)
+static int served_after(const struct shrink_spec *s)
+{
+	return __atomic_load_n(&s->served, __ATOMIC_RELAXED) >= (unsigned long long)s->after;
+}
+
+/* Whether spec S has cut its file (of REAL bytes) to SIZE: --shrink once AFTER bytes of it were
+ * served, --zero-cut once a request reached past SIZE after that. */
+static int is_cut(const struct shrink_spec *s, long long real)
+{
+	if (!s || s->size >= real)
+		return 0;
+	return s->zero ? __atomic_load_n(&s->cut, __ATOMIC_RELAXED) : served_after(s);
+}
+
+/* The size getattr reports for NAME: its real size, or at most SIZE once it is cut (from then
+ * on a --zero-cut file serves at most SIZE bytes too). */
+static long long reported_size(const char *name, long long real)
 {
 	struct shrink_spec *s = shrink_of(name);
-	if (s && __atomic_load_n(&s->served, __ATOMIC_RELAXED) >= (unsigned long long)s->after && s->size < real)
-		return s->size;
-	return real;
+	if (!is_cut(s, real))
+		return real;
+	__atomic_store_n(&s->asked, 1, __ATOMIC_RELAXED);
+	return s->size;
 }
 
 static void *sf_init(struct fuse_conn_info *conn, struct fuse_config *cfg)
 {
-	(void)cfg;
+	if (opt.attr_timeout >= 0) cfg->attr_timeout = opt.attr_timeout;
 	if (opt.max_background >= 0) conn->max_background = (unsigned)opt.max_background;
 	if (opt.congestion_threshold >= 0) conn->congestion_threshold = (unsigned)opt.congestion_threshold;
 	if (opt.max_read > 0) conn->max_read = (unsigned)opt.max_read;  /* must equal the mount option */
@@ -211,7 +252,7 @@ static int sf_getattr(const char *path, struct stat *st, struct fuse_file_info *
 	if (lstat(full, st) < 0) return -errno;
 	if (S_ISREG(st->st_mode)) {
 		st->st_mode = S_IFREG | 0444;
-		st->st_size = shown_size(path + 1, st->st_size);
+		st->st_size = reported_size(path + 1, st->st_size);
 	}
 	return 0;
 }
@@ -313,7 +354,16 @@ static int sf_read(const char *path, char *buf, size_t size, off_t offset, struc
 		}
 	struct stat st;
 	if (fstat((int)fi->fh, &st) < 0) { res = -errno; goto out; }
-	long long end = offset + (long long)size, limit = shown_size(name, st.st_size);
+	struct shrink_spec *s = shrink_of(name);
+	long long end = offset + (long long)size, limit = st.st_size, zero_from = LLONG_MAX;
+	if (s && s->zero && end > s->size && served_after(s))
+		__atomic_store_n(&s->cut, 1, __ATOMIC_RELAXED);
+	if (is_cut(s, st.st_size)) {
+		if (s->zero && !__atomic_load_n(&s->asked, __ATOMIC_RELAXED))
+			zero_from = s->size;  /* --zero-cut, not reported yet: in full, zeros from SIZE */
+		else
+			limit = s->size;
+	}
 	if (end > limit) end = limit;
 	if (end <= offset) goto out;
 	if (opt.short_reads && end - offset > 4096)
@@ -329,8 +379,12 @@ static int sf_read(const char *path, char *buf, size_t size, off_t offset, struc
 		if (n == 0) break;
 		got += (size_t)n;
 	}
+	if (zero_from < offset + (long long)got) {
+		long long from = zero_from > offset ? zero_from - offset : 0;
+		memset(buf + from, 0, got - (size_t)from);
+		__atomic_add_fetch(&stats.zeroed, 1, __ATOMIC_RELAXED);
+	}
 	res = (int)got;
-	struct shrink_spec *s = shrink_of(name);
 	if (s) __atomic_add_fetch(&s->served, got, __ATOMIC_RELAXED);
 	__atomic_add_fetch(&stats.bytes, got, __ATOMIC_RELAXED);
 out:
@@ -365,9 +419,10 @@ static const struct fuse_operations ops = {
 static void usage(void)
 {
 	fprintf(stderr, "usage: slowfs SRC MOUNTPOINT [--latency S] [--bandwidth B] [--eio NAME:OFFSET]... "
-	        "[--short-reads] [--shrink NAME:SIZE:AFTER]... [--max-background N] [--congestion-threshold N] "
-	        "[--max-read BYTES] [--max-pages N] [--max-readahead BYTES] [--no-async-dio] [--no-direct] "
-	        "[--direct-io] [--keep-cache] [--threads N] [--clone-fd] [--debug]\n");
+	        "[--short-reads] [--shrink NAME:SIZE:AFTER]... [--zero-cut NAME:SIZE:AFTER]... "
+	        "[--max-background N] [--congestion-threshold N] [--max-read BYTES] [--max-pages N] "
+	        "[--max-readahead BYTES] [--no-async-dio] [--no-direct] [--direct-io] [--keep-cache] "
+	        "[--attr-timeout S] [--threads N] [--clone-fd] [--debug]\n");
 	exit(2);
 }
 
@@ -421,11 +476,11 @@ int main(int argc, char **argv)
 			long long v[1];
 			char *name = split_right(strdup(ARG()), 1, v, a);
 			opt.eio[opt.n_eio++] = (struct eio_spec){ name, v[0] };
-		} else if (strcmp(a, "--shrink") == 0) {
+		} else if (strcmp(a, "--shrink") == 0 || strcmp(a, "--zero-cut") == 0) {
 			if (opt.n_shrink == MAX_SPECS) usage();
 			long long v[2];
 			char *name = split_right(strdup(ARG()), 2, v, a);
-			opt.shrink[opt.n_shrink++] = (struct shrink_spec){ name, v[0], v[1], 0 };
+			opt.shrink[opt.n_shrink++] = (struct shrink_spec){ name, v[0], v[1], strcmp(a, "--zero-cut") == 0, 0, 0, 0 };
 		} else if (strcmp(a, "--short-reads") == 0) opt.short_reads = 1;
 		else if (strcmp(a, "--max-background") == 0) opt.max_background = parse_int(ARG(), a);
 		else if (strcmp(a, "--congestion-threshold") == 0) opt.congestion_threshold = parse_int(ARG(), a);
@@ -436,6 +491,7 @@ int main(int argc, char **argv)
 		else if (strcmp(a, "--no-direct") == 0) opt.no_direct = 1;
 		else if (strcmp(a, "--direct-io") == 0) opt.direct_io = 1;
 		else if (strcmp(a, "--keep-cache") == 0) opt.keep_cache = 1;
+		else if (strcmp(a, "--attr-timeout") == 0) opt.attr_timeout = parse_double(ARG(), a);
 		else if (strcmp(a, "--threads") == 0) opt.threads = (int)parse_int(ARG(), a);
 		else if (strcmp(a, "--clone-fd") == 0) opt.clone_fd = 1;
 		else if (strcmp(a, "--fsname") == 0) opt.fsname = ARG();
