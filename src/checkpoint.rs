@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::buffer::TensorBytes;
+use crate::digest::Digest;
 use crate::dtype::Dtype;
 use crate::engine::{Report, Tally};
 use crate::error::{Error, Result};
@@ -64,26 +65,37 @@ impl Checkpoint {
         opts: ReadOptions,
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
-        let files = if crate::remote::is_url(at) {
-            crate::remote::checkpoint_urls(at, store)?
-        } else {
-            crate::shards::resolve(&crate::shards::Local, at)?
-        };
-        Self::open_with(&files, backend, opts, store)
+        Self::open_with(&Self::files_at(at, store)?, backend, opts, store)
     }
 
-    /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`.
+    /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
+    /// directory, an index.json, a URL or a URL prefix, by `shards`' rule.
+    pub fn files_at(at: &Path, store: &crate::remote::Options) -> Result<Vec<PathBuf>> {
+        if crate::remote::is_url(at) {
+            crate::remote::checkpoint_urls(at, store)
+        } else {
+            crate::shards::resolve(&crate::shards::Local, at)
+        }
+    }
+
+    /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`. With
+    /// [`ReadOptions::hash`], every shard's SHA-256 is started: reads that cover a shard in file
+    /// order (batches of [`Checkpoint::select`]'s order, one after the other) compute it, and
+    /// [`Checkpoint::digests`] reports it.
     pub fn open_with(
         paths: &[PathBuf],
         backend: Backend,
         opts: ReadOptions,
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
-        let backend = backend.check(opts.drop_cache)?;
+        let backend = backend.check(opts.drop_cache, opts.hash)?;
         let shards = paths
             .iter()
             .map(|p| Source::open_with(p, store).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
+        if opts.hash {
+            shards.iter().for_each(|s| s.start_hash());
+        }
         // One file: its header's own index serves (see `get`).
         let several = if shards.len() > 1 { &shards[..] } else { &[] };
         let mut index = HashMap::new();
@@ -321,6 +333,18 @@ impl Checkpoint {
         let source = &self.shards[shard];
         let report = source::read_data_ranges(source, ranges, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
+    }
+
+    /// Each shard's SHA-256, in order, when the checkpoint was opened to hash them
+    /// ([`ReadOptions::hash`]) and its reads since covered every byte of every shard in file
+    /// order; else an error naming the first shard and range not read. Hashing ends.
+    pub fn digests(&self) -> Result<Vec<Digest>> {
+        if !self.opts.hash {
+            return Err(Error::Argument(
+                "digests of a checkpoint opened without hash=True".into(),
+            ));
+        }
+        self.shards.iter().map(|s| s.finish_hash()).collect()
     }
 
     fn sources(&self) -> Vec<&Source> {

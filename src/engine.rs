@@ -4,6 +4,10 @@
 //!
 //! The calling thread does not read when workers run: it waits and calls `poll` every few
 //! milliseconds, so a binding can check for Ctrl-C and cancel promptly.
+//!
+//! An input whose hash is asked for feeds it in the same pass ([`crate::filehash`]): each
+//! finished chunk's file bytes, from its destinations, or from the worker's buffer where they
+//! were converted; nothing is read twice.
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
@@ -15,6 +19,7 @@ use std::time::{Duration, Instant};
 use crate::backing::{self, Backing, ended_early};
 use crate::buffer::Region;
 use crate::error::{Error, Result};
+use crate::filehash::{Ordered, Raw, Slot};
 use crate::plan::{Chunk, Plan, Segment, Transform};
 use crate::platform::{self, Uncached};
 use crate::strategy::Strategy;
@@ -30,6 +35,9 @@ pub struct Input<'a> {
     pub backing: &'a Backing,
     /// The same file opened to read around the page cache.
     pub direct: Option<&'a Uncached>,
+    /// The file's hash, which this read feeds (in file order, as far as its chunks reach) when
+    /// it has been started; None: not hashed.
+    pub hash: Option<&'a Slot>,
 }
 
 /// How a plan is executed.
@@ -147,7 +155,28 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn read(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<()> {
+    /// Reads chunk `index`, then feeds `hash` (its file's, when hashed) with its file bytes.
+    fn read(&mut self, plan: &Plan<'_>, index: usize, hash: Option<&Ordered<'_>>) -> Result<()> {
+        let chunk = &plan.chunks[index];
+        let raw = self.read_raw(plan, chunk)?;
+        if let Some(hash) = hash {
+            let len = chunk.len;
+            let raw = match raw {
+                RawAt::Dests => Raw::Dests,
+                RawAt::Scratch => Raw::Owned(&mut self.scratch),
+                RawAt::Bounce { head } => Raw::Lent(
+                    &(self.bounce.as_mut().and_then(Region::as_bytes_mut))
+                        .expect("the bounce buffer the chunk was read into")
+                        [head..head + len],
+                ),
+            };
+            hash.finished(plan, index, raw, self.stop);
+        }
+        Ok(())
+    }
+
+    /// Reads one chunk into its destinations; returns where its file bytes are.
+    fn read_raw(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<RawAt> {
         let input = &self.files.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
         let to_error = |(done, source): (usize, io::Error)| Error::Read {
@@ -183,7 +212,7 @@ impl<'a> Worker<'a> {
         object: &crate::remote::Object,
         chunk: &Chunk,
         segments: &[Segment],
-    ) -> IoResult {
+    ) -> IoResult<RawAt> {
         if segments.iter().all(|s| s.transform == Transform::Copy) {
             let mut dests: Vec<&mut [u8]> = segments
                 .iter()
@@ -191,14 +220,16 @@ impl<'a> Worker<'a> {
                 .map(|s| unsafe { s.dest_mut() })
                 .collect();
             prefault(dests.iter_mut().map(|d| (d.as_mut_ptr(), d.len())));
-            return object.read_into(chunk.offset, &mut dests, self.stop);
+            object.read_into(chunk.offset, &mut dests, self.stop)?;
+            return Ok(RawAt::Dests);
         }
         if self.scratch.len() < chunk.len {
             self.scratch.resize(chunk.len, 0);
         }
         let bytes = &mut self.scratch[..chunk.len];
         object.read_into(chunk.offset, &mut [&mut *bytes], self.stop)?;
-        distribute(bytes, segments)
+        distribute(bytes, segments)?;
+        Ok(RawAt::Scratch)
     }
 
     /// Reads one chunk: straight into its segments when nothing converts and the handle has no
@@ -208,7 +239,7 @@ impl<'a> Worker<'a> {
         direct: Option<&Uncached>,
         chunk: &Chunk,
         segments: &[Segment],
-    ) -> IoResult {
+    ) -> IoResult<RawAt> {
         let aligned = direct.is_some_and(|d| d.align > 1);
         let converts = segments.iter().any(|s| s.transform != Transform::Copy);
         if !aligned && !converts {
@@ -222,14 +253,29 @@ impl<'a> Worker<'a> {
                     file
                 }
             };
-            return preadv_exact(file, chunk.offset, segments);
+            preadv_exact(file, chunk.offset, segments)?;
+            return Ok(RawAt::Dests);
         }
-        let bytes = match direct {
-            Some(d) if aligned => self.read_aligned(d, chunk)?,
-            Some(d) => read_into_scratch(&mut self.scratch, &d.file, chunk)?,
-            None => read_into_scratch(&mut self.scratch, self.files.buffered(chunk.file), chunk)?,
+        let (bytes, at) = match direct {
+            Some(d) if aligned => {
+                let head = (chunk.offset % d.align) as usize;
+                (self.read_aligned(d, chunk)?, RawAt::Bounce { head })
+            }
+            Some(d) => (
+                read_into_scratch(&mut self.scratch, &d.file, chunk)?,
+                RawAt::Scratch,
+            ),
+            None => {
+                let file = self.files.buffered(chunk.file);
+                (
+                    read_into_scratch(&mut self.scratch, file, chunk)?,
+                    RawAt::Scratch,
+                )
+            }
         };
-        distribute(bytes, segments)
+        distribute(bytes, segments)?;
+        // Copied out: the destinations hold the file's bytes too.
+        Ok(if converts { at } else { RawAt::Dests })
     }
 
     /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
@@ -310,8 +356,19 @@ fn distribute(bytes: &[u8], segments: &[Segment]) -> IoResult {
     Ok(())
 }
 
+/// Where a chunk's file bytes are once it is read (what its hash is computed from).
+#[derive(Clone, Copy)]
+enum RawAt {
+    /// In its destinations: every segment copies.
+    Dests,
+    /// In the first bytes of the worker's scratch buffer.
+    Scratch,
+    /// In the worker's bounce buffer, from `head` on.
+    Bounce { head: usize },
+}
+
 /// On failure: how many of the chunk's bytes were read before the error, and the error.
-type IoResult = std::result::Result<(), (usize, io::Error)>;
+type IoResult<T = ()> = std::result::Result<T, (usize, io::Error)>;
 type IoBytes<'b> = std::result::Result<&'b [u8], (usize, io::Error)>;
 
 /// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
@@ -335,31 +392,33 @@ pub fn execute(
     // A request to a store may wait long (a stalled server): it always runs on a worker, while
     // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
     let remote = inputs.iter().any(|i| i.backing.is_remote());
-    if !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES) {
+    let inline = !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES);
+    let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads });
+    let hash_of = |chunk: usize| hashes[plan.chunks[chunk].file].as_ref();
+    if inline {
         let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
-        for chunk in &plan.chunks {
+        for i in 0..plan.chunks.len() {
             if poll() {
                 return Err(Error::Cancelled);
             }
-            worker.read(plan, chunk)?;
+            worker.read(plan, i, hash_of(i))?;
         }
         return Ok(report(1));
     }
 
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     let finished = (Mutex::new(0usize), Condvar::new());
-    let mut cancelled = false;
 
-    std::thread::scope(|scope| {
+    let cancelled = std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
                 let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused, &stop);
                 while !stop.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(chunk) = plan.chunks.get(i) else {
+                    if i >= plan.chunks.len() {
                         break;
-                    };
-                    if let Err(e) = worker.read(plan, chunk) {
+                    }
+                    if let Err(e) = worker.read(plan, i, hash_of(i)) {
                         stop.store(true, Ordering::Relaxed);
                         failure
                             .lock()
@@ -373,18 +432,7 @@ pub fn execute(
                 cv.notify_one();
             });
         }
-        let (count, cv) = &finished;
-        let mut done = count.lock().unwrap_or_else(|p| p.into_inner());
-        while *done < threads {
-            done = cv
-                .wait_timeout(done, POLL_INTERVAL)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-            if !cancelled && *done < threads && poll() {
-                cancelled = true;
-                stop.store(true, Ordering::Relaxed);
-            }
-        }
+        wait_for(&finished, threads, &stop, poll)
     });
     if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
@@ -393,6 +441,42 @@ pub fn execute(
         return Err(Error::Cancelled);
     }
     Ok(report(threads))
+}
+
+/// Each input's hash, taken for a read of `plan` by `workers` workers where it is asked for and
+/// started (given back to its source when dropped).
+fn claim_hashes<'s>(
+    inputs: &[Input<'s>],
+    plan: &Plan<'_>,
+    workers: usize,
+) -> Vec<Option<Ordered<'s>>> {
+    let claim = |(i, input): (usize, &Input<'s>)| {
+        (input.hash).and_then(|slot| Ordered::claim(slot, plan, i, workers))
+    };
+    inputs.iter().enumerate().map(claim).collect()
+}
+
+/// Waits until the `threads` workers have counted themselves in `finished`, calling `poll` every
+/// [`POLL_INTERVAL`]; when it asks to cancel, sets `stop` and returns true (after the wait).
+fn wait_for(
+    finished: &(Mutex<usize>, Condvar),
+    threads: usize,
+    stop: &AtomicBool,
+    poll: &mut dyn FnMut() -> bool,
+) -> bool {
+    let (count, cv) = finished;
+    let mut cancelled = false;
+    let mut done = count.lock().unwrap_or_else(|p| p.into_inner());
+    while *done < threads {
+        done = (cv.wait_timeout(done, POLL_INTERVAL))
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        if !cancelled && *done < threads && poll() {
+            cancelled = true;
+            stop.store(true, Ordering::Relaxed);
+        }
+    }
+    cancelled
 }
 
 /// The tensor whose bytes sit `pos` bytes into the chunk.
@@ -507,6 +591,7 @@ mod tests {
                 path: &path,
                 backing: &file,
                 direct: if use_direct { direct.as_ref() } else { None },
+                hash: None,
             }];
             let report =
                 execute(&inputs, &plan, Settings { threads, own_fds }, &mut || false).unwrap();
@@ -541,6 +626,7 @@ mod tests {
                 path: &path,
                 backing: &file,
                 direct,
+                hash: None,
             }];
             let err = execute(&inputs, &plan, settings(1), &mut || false)
                 .unwrap_err()
@@ -578,6 +664,7 @@ mod tests {
                 path,
                 backing: &zeros,
                 direct: None,
+                hash: None,
             }];
             let err = execute(&inputs, &plan, settings(1), &mut || false)
                 .unwrap_err()
@@ -601,6 +688,7 @@ mod tests {
             path: &path,
             backing: &file,
             direct: None,
+            hash: None,
         }];
         let err = execute(&inputs, &plan, settings(1), &mut || true).unwrap_err();
         assert!(matches!(err, Error::Cancelled));

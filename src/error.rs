@@ -70,6 +70,19 @@ pub enum Error {
         len: u64,
         was: u64,
     },
+    /// A file's SHA-256 asked for when the reads since it was started did not cover every byte
+    /// in file order: bytes `from..to` (of `len`) were not hashed.
+    Unhashed {
+        path: PathBuf,
+        from: u64,
+        to: u64,
+        len: u64,
+    },
+    /// A manifest of digests (`sha256sum`'s format) with a line that is not one.
+    Manifest {
+        path: PathBuf,
+        error: crate::digest::ManifestError,
+    },
     /// The reader itself failed (a panic caught at a thread or binding boundary); the message
     /// names what failed.
     Internal(String),
@@ -192,6 +205,20 @@ impl fmt::Display for Unredacted<'_> {
                  be read",
                 path.display()
             ),
+            Error::Unhashed {
+                path,
+                from,
+                to,
+                len,
+            } => write!(
+                f,
+                "the SHA-256 of {} is not known: bytes {from}..{to} of its {len} were not read in \
+                 file order (a digest covers every byte of the file)",
+                path.display()
+            ),
+            Error::Manifest { path, error } => {
+                write!(f, "manifest {}, {error}", path.display())
+            }
             Error::Internal(message) => write!(f, "internal error in safeload: {message}"),
             Error::Closed(what) => write!(f, "{what} is closed"),
             Error::Cancelled => f.write_str("load cancelled"),

@@ -53,6 +53,16 @@ impl Segment {
         // caller's contract gives exclusive use.
         unsafe { std::slice::from_raw_parts_mut(self.dest, self.dest_len) }
     }
+
+    /// The destination's bytes once its chunk is read, for hashing them (`crate::filehash`).
+    ///
+    /// # Safety
+    /// Nothing may write the segment meanwhile (its chunk is finished: the engine hands each
+    /// chunk to one worker, once), and only while the [`Plan`] holding it is alive.
+    pub unsafe fn dest(&self) -> &[u8] {
+        // SAFETY: as `dest_mut`; the caller's contract rules out a writer.
+        unsafe { std::slice::from_raw_parts(self.dest, self.dest_len) }
+    }
 }
 
 #[derive(Debug, Clone)]

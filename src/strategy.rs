@@ -58,18 +58,24 @@ impl Backend {
     }
 
     /// Refuses a backend that cannot do what the read options ask: a map reads nothing, so it
-    /// has no pages of its own to drop after reading (`drop_cache`). "auto" with `drop_cache`
-    /// reads instead ([`crate::source::Source::resolve_measured`]).
-    pub fn check(self, drop_cache: bool) -> crate::error::Result<Backend> {
-        if self == Backend::Mmap && drop_cache {
-            return Err(crate::error::Error::Argument(
-                "drop_cache=True drops a file's pages from the page cache after reading them, and \
-                 backend \"mmap\" reads none (its tensors are the mapped pages): use backend=\
-                 \"auto\" (which then reads), \"pread\" or \"direct\""
-                    .into(),
-            ));
+    /// has no pages of its own to drop after reading (`drop_cache`), and no bytes pass through
+    /// the reader to be hashed (`hash`). "auto" with either reads instead
+    /// ([`crate::source::Source::resolve_measured`]).
+    pub fn check(self, drop_cache: bool, hash: bool) -> crate::error::Result<Backend> {
+        let asked = match (drop_cache, hash) {
+            (true, _) => {
+                "drop_cache=True drops a file's pages from the page cache after reading them"
+            }
+            (_, true) => "hashing a file needs the reader to read its bytes",
+            _ => return Ok(self),
+        };
+        if self != Backend::Mmap {
+            return Ok(self);
         }
-        Ok(self)
+        Err(crate::error::Error::Argument(format!(
+            "{asked}, and backend \"mmap\" reads none (its tensors are the mapped pages): use \
+             backend=\"auto\" (which then reads), \"pread\" or \"direct\""
+        )))
     }
 }
 
@@ -259,13 +265,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_map_has_no_pages_of_its_own_to_drop() {
-        let err = Backend::Mmap.check(true).unwrap_err().to_string();
-        assert!(err.contains("backend \"mmap\" reads none"), "{err}");
-        for backend in [Backend::Auto, Backend::Pread, Backend::Direct] {
-            assert_eq!(backend.check(true).unwrap(), backend);
+    fn a_map_has_no_pages_of_its_own_to_drop_nor_bytes_to_hash() {
+        // (drop_cache, hash) asked for, and how the refusal starts.
+        for (drop_cache, hash, says) in [(true, false, "drop_cache=True"), (false, true, "hashing")]
+        {
+            let err = Backend::Mmap
+                .check(drop_cache, hash)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with(says) && err.contains("backend \"mmap\" reads none"),
+                "{err}"
+            );
+            for backend in [Backend::Auto, Backend::Pread, Backend::Direct] {
+                assert_eq!(backend.check(drop_cache, hash).unwrap(), backend);
+            }
         }
-        assert_eq!(Backend::Mmap.check(false).unwrap(), Backend::Mmap);
+        assert_eq!(Backend::Mmap.check(false, false).unwrap(), Backend::Mmap);
     }
 
     #[test]

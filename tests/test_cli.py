@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -48,14 +50,16 @@ def sample(tmp_path) -> str:
 def test_help():
     r = run("--help")
     assert r.returncode == 0
-    for command in ("inspect", "verify", "patch-install"):
+    for command in ("inspect", "verify", "hash", "patch-install"):
         assert command in r.stdout
-    for command in ("inspect", "verify", "patch-install"):
+    for command in ("inspect", "verify", "hash", "patch-install"):
         r = run(command, "--help")
         assert r.returncode == 0, command
         assert r.stdout.startswith(f"usage: safeload {command}"), r.stdout
     r = run("verify", "--help")
-    assert "mmap" in r.stdout and "Exit status" in r.stdout
+    assert "mmap" in r.stdout and "Exit status" in r.stdout and "--manifest" in r.stdout and "--sha256" in r.stdout
+    r = run("hash", "--help")
+    assert "sha256sum -c" in r.stdout and "Exit status" in r.stdout
 
 
 def test_usage_errors_exit_2(sample):
@@ -231,3 +235,190 @@ def test_bytes_compare_byte_for_byte(sample):
     assert (a.read(names[0])[3] == b"not bytes") is False
     a.close()
     b.close()
+
+
+# -- SHA-256: hash, verify --manifest / --sha256 -------------------------------------------------
+
+SHA_OK = re.compile(r"^OK (?P<path>.+) \(\d+ tensors, \d+\.\d+ GiB, pread, \d+\.\d+ GiB/s, sha256 matches (?P<by>.+)\)$")
+
+
+def sha256sum(*files: str, cwd: Any = None) -> str:
+    """What the ``sha256sum`` command prints for ``files``."""
+    if shutil.which("sha256sum") is None:
+        pytest.skip("sha256sum is not installed")
+    r = subprocess.run(["sha256sum", "--", *files], capture_output=True, text=True, cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture
+def sharded(tmp_path) -> Path:
+    """A 3-shard checkpoint written by safetensors 0.8 (``safetensors.torch.save_file``), with its index."""
+    import safetensors.torch
+    import torch
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    weight_map: Dict[str, str] = {}
+    for i in range(3):
+        name = f"model-0000{i + 1}-of-00003.safetensors"
+        tensors = {
+            f"layers.{i}.weight": torch.randn(256, 300 + i),
+            f"layers.{i}.bias": torch.randn(300).to(torch.bfloat16),
+            f"layers.{i}.steps": torch.arange(5 + i),
+        }
+        safetensors.torch.save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def shard_names(folder: Path) -> List[str]:
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def test_hash_prints_what_sha256sum_prints(sharded):
+    names = shard_names(sharded)
+    want = sha256sum(*names, cwd=sharded)
+    # A directory or its index: the shards, named relative to that directory.
+    for target in (str(sharded), str(sharded / "model.safetensors.index.json")):
+        r = run("hash", target)
+        assert (r.returncode, r.stdout, r.stderr) == (0, want, ""), target
+    # Files: named as given, several in one call; relative ones from the working directory.
+    files = [str(sharded / n) for n in names]
+    r = run("hash", *files)
+    assert (r.returncode, r.stdout) == (0, sha256sum(*files))
+    r = run("hash", "--threads", "1", names[2], names[0], cwd=sharded)
+    assert (r.returncode, r.stdout) == (0, sha256sum(names[2], names[0], cwd=sharded))
+
+
+def test_sha256sum_checks_what_hash_writes(sharded):
+    r = run("hash", str(sharded))
+    assert r.returncode == 0, r.stderr
+    (sharded / "SHA256SUMS").write_text(r.stdout)
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], capture_output=True, text=True, cwd=sharded, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.splitlines() == [f"{n}: OK" for n in shard_names(sharded)]
+
+
+def test_hash_reads_in_bounded_rounds(sharded, monkeypatch):
+    """Rounds smaller than a tensor: every file's bytes still hashed once, in order."""
+    import io
+
+    from safeload import cli
+
+    monkeypatch.setattr(cli, "VERIFY_BATCH_BYTES", 10_000)
+    out = io.StringIO()
+    assert cli.hash_files([str(sharded)], out=out) == 0
+    assert out.getvalue() == sha256sum(*shard_names(sharded), cwd=sharded)
+
+
+def test_hash_reports_a_file_it_cannot_read_and_prints_the_others(sharded, tmp_path):
+    names = shard_names(sharded)
+    missing = str(tmp_path / "missing.safetensors")
+    truncated = str(tmp_path / "truncated.safetensors")
+    Path(truncated).write_bytes((sharded / names[0]).read_bytes()[:-1])
+    good = str(sharded / names[1])
+    r = run("hash", missing, good, truncated)
+    assert r.returncode == 1 and r.stdout == sha256sum(good)
+    assert missing in r.stderr and truncated in r.stderr and "Traceback" not in r.stderr
+    assert run("hash").returncode == 2 and run("hash", "--threads", "0", good).returncode == 2
+
+
+def _manifest(folder: Path) -> Path:
+    manifest = folder / "SHA256SUMS"
+    manifest.write_text(sha256sum(*shard_names(folder), cwd=folder))
+    return manifest
+
+
+def test_verify_against_a_manifest_and_a_digest(sharded):
+    manifest = _manifest(sharded)
+    # No FILE: every file the manifest names, resolved against its folder.
+    r = run("verify", "--manifest", str(manifest))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [SHA_OK.match(line)["path"] for line in lines] == [str(sharded / n) for n in shard_names(sharded)]
+    assert all(SHA_OK.match(line)["by"] == f"the manifest {manifest}" for line in lines)
+    # Named files, from another working directory: found in the manifest by their real path.
+    names = shard_names(sharded)
+    r = run("verify", "--manifest", str(manifest), names[1], cwd=sharded)
+    assert r.returncode == 0 and SHA_OK.match(r.stdout.strip())["path"] == names[1]
+    digest = manifest.read_text().split()[0]
+    for given in (digest, f"sha256:{digest.upper()}"):
+        r = run("verify", "--sha256", given, str(sharded / names[0]))
+        assert r.returncode == 0 and SHA_OK.match(r.stdout.strip())["by"] == "--sha256", r.stdout
+
+
+def _flipped(tmp_path: Path, sharded: Path, where: str, at: int) -> Path:
+    """A copy of the first shard with the byte at ``at`` flipped, beside a copy of the manifest."""
+    folder = tmp_path / where.replace(" ", "-")
+    folder.mkdir()
+    name = shard_names(sharded)[0]
+    raw = bytearray((sharded / name).read_bytes())
+    raw[at] ^= 0x01
+    (folder / name).write_bytes(bytes(raw))
+    shutil.copy(sharded / "SHA256SUMS", folder / "SHA256SUMS")
+    return folder / name
+
+
+def test_verify_manifest_catches_one_flipped_byte(tmp_path, sharded):
+    manifest = _manifest(sharded)
+    name = shard_names(sharded)[0]
+    raw = (sharded / name).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    in_name = raw.index(b"layers.0.weight") + len("layers.")  # '0' -> '1': still a valid header
+    expected = hashlib.sha256(raw).hexdigest()
+    for where, at in (("header", in_name), ("first tensor", 8 + n), ("last tensor", len(raw) - 1)):
+        path = _flipped(tmp_path, sharded, where, at)
+        r = run("verify", "--manifest", str(path.parent / "SHA256SUMS"), str(path))
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert r.returncode == 1, (where, r.stdout)
+        assert r.stdout.strip() == (f"FAIL {path}: SHA-256 mismatch: expected {expected} "
+                                    f"(the manifest {path.parent / 'SHA256SUMS'}), got {actual}"), where
+        r = run("verify", "--sha256", expected, str(path))
+        assert r.returncode == 1 and f"expected {expected} (--sha256), got {actual}" in r.stdout, where
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / name).write_bytes(raw[:-1])
+    shutil.copy(manifest, truncated / "SHA256SUMS")
+    r = run("verify", "--manifest", str(truncated / "SHA256SUMS"))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[0].startswith(f"FAIL {truncated / name}: ")
+    assert all(line.startswith("FAIL ") for line in lines)  # the other two are not there either
+
+
+def test_verify_manifest_errors(tmp_path, sharded):
+    names = shard_names(sharded)
+    good = sha256sum(names[0], cwd=sharded)
+    # A malformed line: the manifest and the line named, nothing verified.
+    manifest = sharded / "BAD.SUMS"
+    manifest.write_text(good + "\n" + good.split()[0] + " " + names[1] + "\n")
+    r = run("verify", "--manifest", str(manifest))
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert f"manifest {manifest}, line 3: expected" in r.stderr, r.stderr
+    # A file the manifest does not name.
+    manifest.write_text(good)
+    r = run("verify", "--manifest", str(manifest), str(sharded / names[0]), str(sharded / names[1]))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and SHA_OK.match(lines[0])
+    assert lines[1] == f"FAIL {sharded / names[1]}: not in the manifest {manifest} (no line names this file)"
+    r = run("verify", "--manifest", str(tmp_path / "nope"))
+    assert r.returncode == 1 and str(tmp_path / "nope") in r.stderr
+    # Usage: --sha256 names one file, with a digest; not both pins at once.
+    one, two = str(sharded / names[0]), str(sharded / names[1])
+    digest = good.split()[0]
+    assert run("verify", "--sha256", digest, one, two).returncode == 2
+    assert run("verify", "--sha256", digest[:-1], one).returncode == 2
+    assert run("verify", "--sha256", digest, "--manifest", str(manifest), one).returncode == 2
+
+
+def test_verify_hashes_in_the_same_batches(sharded, monkeypatch):
+    """The digest is computed by the batches that read the tensors (one tensor each here)."""
+    from safeload import cli
+
+    monkeypatch.setattr(cli, "VERIFY_BATCH_BYTES", 1)
+    path = str(sharded / shard_names(sharded)[2])
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    assert SHA_OK.match(cli.verify_file(path, expected=(digest, "a test")))["by"] == "a test"
+    with pytest.raises(Exception, match=f"SHA-256 mismatch: expected {'0' * 64} \\(a test\\), got {digest}"):
+        cli.verify_file(path, expected=("0" * 64, "a test"))

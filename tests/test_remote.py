@@ -247,6 +247,29 @@ def test_whole_file_fetched_once(http, big):
     assert all(r[3] == 206 for r in gets)
 
 
+def test_objects_hash_as_their_files_from_the_gets_that_read_them(http, big, mixed, capsys):
+    """The SHA-256 of objects: the opening GET's header, then the ranged GETs of the reads (into
+    the tensors, or converted on the way), in order; several objects side by side."""
+    import hashlib
+    from pathlib import Path
+
+    from safeload import cli
+    from safeload._safeload import Checkpoint, hash_files
+
+    files = [big[0], mixed[0]]
+    urls = [f"{http.url}/models/{os.path.basename(p)}" for p in files]
+    want = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in files]
+    assert hash_files(urls, max_bytes=3 << 20, chunk_bytes=1 << 20, threads=4) == want
+    for dtype in (None, "F16"):  # F16: the F32 rows converted, hashed from the bytes as fetched
+        ckpt = Checkpoint([urls[0]], hash=True, chunk_bytes=1 << 20, threads=4)
+        for batch in ckpt.batches(max_bytes=4 << 20):
+            ckpt.read(batch, dtype)
+        assert ckpt.digests() == [want[0]], dtype
+        ckpt.close()
+    assert cli.main(["hash", *urls]) == 0
+    assert capsys.readouterr().out == "".join(f"{d}  {u}\n" for d, u in zip(want, urls))
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """Types of the Rust extension module ``safeload._safeload``."""
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
@@ -30,6 +31,11 @@ __all__ = [
     "pooled_bytes",
     "memory_info",
     "redact",
+    "hash_files",
+    "read_manifest",
+    "manifest_line",
+    "parse_digest",
+    "checkpoint_files",
     "serialize",
     "staging_plan",
     "staging_ring",
@@ -236,6 +242,7 @@ class Checkpoint:
         chunk_bytes: Optional[int] = None,
         drop_cache: bool = False,
         storage_options: Optional[Dict[str, Any]] = None,
+        hash: bool = False,
     ) -> Self: ...
     @property
     def backend(self) -> str: ...
@@ -260,6 +267,7 @@ class Checkpoint:
         batch_bytes: int,
     ) -> Tuple[List[Share], List[List[int]]]: ...
     def digest(self) -> str: ...
+    def digests(self) -> List[str]: ...
     def close(self) -> None: ...
 
 @final
@@ -294,6 +302,21 @@ def release_memory() -> int: ...
 def memory_info() -> Dict[str, Optional[int]]: ...
 def pooled_bytes() -> int: ...
 def redact(text: str) -> str: ...
+def hash_files(
+    paths: Sequence[Union[str, os.PathLike[str]]],
+    *,
+    max_bytes: int,
+    backend: Optional[str] = None,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+) -> List[str]: ...
+def read_manifest(path: Union[str, os.PathLike[str]]) -> List[Tuple[str, str]]: ...
+def manifest_line(digest: str, name: str) -> str: ...
+def parse_digest(digest: str) -> str: ...
+def checkpoint_files(
+    at: Union[str, os.PathLike[str]], *, storage_options: Optional[Dict[str, Any]] = None
+) -> List[Path]: ...
 
 @final
 class TensorSpec:

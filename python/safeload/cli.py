@@ -1,4 +1,4 @@
-"""The ``safeload`` command: ``inspect``, ``verify``, ``patch-install``.
+"""The ``safeload`` command: ``inspect``, ``verify``, ``hash``, ``patch-install``.
 
 Also reachable as ``python -m safeload``.  Subcommands import what they need lazily, so
 ``safeload --help`` does not import torch.  Exit status: 0 success, 1 a file failed (or could
@@ -11,26 +11,47 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PTH_NAME = "safeload_autopatch.pth"  # = safeload.patch.PTH_NAME (not imported: --help stays cheap)
 
 # name -> one-line help
 COMMANDS = {
     "inspect": "print a file's metadata and tensor table (name, dtype, shape, offsets, bytes)",
-    "verify": "fully validate files: header rules, every tensor read, pread and mmap reads agree",
+    "verify": "fully validate files: header rules, every tensor read, pread and mmap reads agree, SHA-256 digests",
+    "hash": "print a sha256sum-compatible manifest of .safetensors files, hashed with the parallel reader",
     "patch-install": "install the SAFELOAD_PATCH=1 startup hook (.pth) into site-packages",
 }
 
 _VERIFY_DESCRIPTION = """\
 Fully validates each FILE: opens it (every header rule is checked), reads every tensor with
 the parallel pread backend, and compares each tensor byte for byte against a second read
-through mmap. Prints one line per file:
+through mmap. With --manifest or --sha256, the SHA-256 of each file is computed in that same
+read (every byte of the file, header included) and checked. Prints one line per file:
 
   OK path (N tensors, X GiB, pread, R GiB/s)     R: the pread read rate
+  OK path (..., R GiB/s, sha256 matches the manifest M)
   FAIL path: message
 
-Exit status: 0 when every file is OK, 1 when any file fails, 2 on usage errors."""
+--manifest M takes the digests from M, in the format `sha256sum` writes (`safeload hash`
+writes it too); its names are relative to M's folder. With no FILE, every file M names is
+verified; a FILE that M does not name fails. --sha256 HEX checks the one FILE against HEX.
+
+Exit status: 0 when every file is OK, 1 when any file fails (or the manifest cannot be read),
+2 on usage errors."""
+
+_HASH_DESCRIPTION = """\
+Prints the SHA-256 of each .safetensors file as `sha256sum` does (`<64 hex>  <name>` per
+line), every byte read once with the parallel reader, in rounds of at most 1 GiB (a file
+larger than memory hashes), several files side by side. A directory or an index.json stands
+for its shards, found as load_checkpoint finds them and named relative to that directory (the
+index's folder); a file is named as given. So
+
+  safeload hash DIR > DIR/SHA256SUMS
+  (cd DIR && sha256sum -c SHA256SUMS)        # or: safeload verify --manifest DIR/SHA256SUMS
+
+Exit status: 0 when every file was hashed, 1 when one could not be (its error on stderr; the
+others are still printed), 2 on usage errors."""
 
 _PATCH_INSTALL_DESCRIPTION = f"""\
 Writes {PTH_NAME} into site-packages (or --target). Python runs it at every start; it costs
@@ -60,8 +81,19 @@ def _parser() -> argparse.ArgumentParser:
                           "data_bytes, tensors: [{name, dtype, shape, begin, end, bytes}]) instead of a table")
     ver = sub.add_parser("verify", help=COMMANDS["verify"], description=_VERIFY_DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    ver.add_argument("files", nargs="+", metavar="FILE", help="a .safetensors file")
+    ver.add_argument("files", nargs="*", metavar="FILE", help="a .safetensors file")
     ver.add_argument("--threads", type=int, default=None, help="pread worker threads (default: automatic)")
+    pins = ver.add_mutually_exclusive_group()
+    pins.add_argument("--manifest", metavar="M", default=None,
+                      help="check each file's SHA-256 against the sha256sum manifest M (names relative to M's folder; "
+                           "with no FILE, every file M names)")
+    pins.add_argument("--sha256", metavar="HEX", default=None,
+                      help="check the one FILE's SHA-256 against HEX (64 hex digits, optionally after sha256:)")
+    hsh = sub.add_parser("hash", help=COMMANDS["hash"], description=_HASH_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    hsh.add_argument("paths", nargs="+", metavar="FILE_OR_DIR",
+                     help="a .safetensors file, a checkpoint directory or its index.json")
+    hsh.add_argument("--threads", type=int, default=None, help="reader threads (default: automatic)")
     pin = sub.add_parser("patch-install", help=COMMANDS["patch-install"], description=_PATCH_INSTALL_DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     pin.add_argument("--target", metavar="DIR", default=None,
@@ -134,13 +166,19 @@ def inspect_file(path: str, as_json: bool = False, out: Any = None) -> int:
 VERIFY_BATCH_BYTES = 1 << 30
 
 
-def verify_file(path: str, threads: Optional[int] = None) -> str:
-    """Verifies one file; returns its ``OK ...`` line, raises on any failure."""
+#: A file's expected SHA-256 (64 hex digits) and where that expectation came from (for messages:
+#: "the manifest M", "--sha256").
+Expected = Tuple[str, str]
+
+
+def verify_file(path: str, threads: Optional[int] = None, expected: Optional[Expected] = None) -> str:
+    """Verifies one file (and its SHA-256 against ``expected``, computed in the same read);
+    returns its ``OK ...`` line, raises on any failure."""
     from ._safeload import Checkpoint, Handle, SafetensorError, redact
 
     if os.path.isdir(path):
         raise SafetensorError("is a directory")
-    primary = Checkpoint([path], "pread", threads=threads)
+    primary = Checkpoint([path], "pread", threads=threads, hash=expected is not None)
     mirror = Handle(path, "mmap")
     try:
         infos = primary.infos()
@@ -160,27 +198,123 @@ def verify_file(path: str, threads: Optional[int] = None) -> str:
                 del data, m_data
             del items
         stats = primary.stats()
+        checked = ""
+        if expected is not None:
+            digest, source = expected
+            actual = primary.digests()[0]
+            if actual != digest:
+                raise SafetensorError(f"SHA-256 mismatch: expected {digest} ({source}), got {actual}")
+            checked = f", sha256 matches {source}"
     finally:
         primary.close()
         mirror.close()
     shown = redact(os.fspath(path))  # a URL without its user info and tokens
-    return f"OK {shown} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {stats.backend}, {stats.gib_per_s:.2f} GiB/s)"
+    return (f"OK {shown} ({len(infos)} tensors, {total / 2**30:.3f} GiB, {stats.backend}, "
+            f"{stats.gib_per_s:.2f} GiB/s{checked})")
 
 
-def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:
-    from ._safeload import redact
+def manifest_expectations(manifest: str) -> Dict[str, Tuple[str, Expected]]:
+    """The files ``manifest`` names: {real path: (path as shown, (digest, "the manifest M"))}, names
+    resolved against the manifest's folder. Raises when it cannot be read or a line is malformed."""
+    from ._safeload import read_manifest
+
+    folder = os.path.dirname(manifest)
+    source = f"the manifest {manifest}"
+    out: Dict[str, Tuple[str, Expected]] = {}
+    for name, digest in read_manifest(manifest):
+        path = os.path.join(folder, name)
+        out[os.path.realpath(path)] = (path, (digest, source))
+    return out
+
+
+def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None,
+                 manifest: Optional[str] = None, sha256: Optional[str] = None) -> int:
+    """Verifies each file (against ``manifest``'s or ``sha256``'s digest when given), one line per file;
+    with a manifest and no paths, every file it names. Returns the exit status."""
+    from ._safeload import SafetensorError, redact
 
     out = out or sys.stdout
+    pinned: Dict[str, Tuple[str, Expected]] = {}
+    if manifest is not None:
+        try:
+            pinned = manifest_expectations(manifest)
+        except (OSError, SafetensorError) as exc:
+            print(f"safeload verify: {_message(exc)}", file=sys.stderr)
+            return 1
+        paths = list(paths) or [shown for shown, _ in pinned.values()]
     failed = 0
     for path in paths:
         try:
-            line = verify_file(path, threads=threads)
+            expected = (sha256, "--sha256") if sha256 is not None else None
+            if manifest is not None:
+                entry = pinned.get(os.path.realpath(path))
+                if entry is None:
+                    raise SafetensorError(f"not in the manifest {manifest} (no line names this file)")
+                expected = entry[1]
+            line = verify_file(path, threads=threads, expected=expected)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the rest still run
             failed += 1
-            message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            line = f"FAIL {redact(os.fspath(path))}: {message or type(exc).__name__}"
+            line = f"FAIL {redact(os.fspath(path))}: {_message(exc)}"
         out.write(line + "\n")
         out.flush()
+    return 1 if failed else 0
+
+
+def _message(exc: BaseException) -> str:
+    message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return message or type(exc).__name__
+
+
+# -- hash -----------------------------------------------------------------------------------
+
+
+def hash_targets(path: str) -> List[Tuple[str, str]]:
+    """The files ``safeload hash`` reads for ``path`` and the names it prints: a directory's or an
+    index's shards named relative to that directory (the index's folder), a file as given."""
+    from ._safeload import checkpoint_files
+
+    if os.path.isdir(path):
+        folder = path
+    elif path.endswith(".json") and os.path.isfile(path):
+        folder = os.path.dirname(path) or os.curdir
+    else:
+        return [(path, path)]
+    return [(os.fspath(f), os.path.relpath(f, folder)) for f in checkpoint_files(path)]
+
+
+def hash_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:
+    """Prints a sha256sum manifest of ``paths`` (see ``safeload hash --help``); returns the exit status."""
+    from ._safeload import SafetensorError, manifest_line, redact
+    from ._safeload import hash_files as digests_of
+
+    out = out or sys.stdout
+    failed = 0
+    targets: List[Tuple[str, str]] = []
+    for path in paths:
+        try:
+            targets += hash_targets(path)
+        except (OSError, SafetensorError) as exc:
+            failed += 1
+            print(f"safeload hash: {redact(path)}: {_message(exc)}", file=sys.stderr)
+
+    def digests(files: List[str]) -> List[str]:
+        return digests_of(files, max_bytes=VERIFY_BATCH_BYTES, threads=threads)
+
+    try:  # every file in one pool of readers
+        found: List[Optional[str]] = list(digests([f for f, _ in targets]))
+    except (OSError, SafetensorError):  # one failed: each alone, so that the others still print
+        found = []
+        for file, _ in targets:
+            try:
+                found += digests([file])
+            except (OSError, SafetensorError) as exc:
+                failed += 1
+                found.append(None)
+                print(f"safeload hash: {_message(exc)}", file=sys.stderr)
+    for (_, name), digest in zip(targets, found):
+        if digest is not None:  # a URL without its user info and tokens
+            out.write(manifest_line(digest, redact(name)) + "\n")
+    out.flush()
     return 1 if failed else 0
 
 
@@ -195,6 +329,23 @@ def patch_install(target: Optional[str], remove: bool, out: Any = None) -> int:
     path = install_hook(target)
     out.write(f"wrote {path}\nset SAFELOAD_PATCH=1 to route safetensors through safeload\n")
     return 0
+
+
+def _pins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dict[str, Optional[str]]:
+    """verify's digest options, checked: --sha256 (normalized) with one FILE, or --manifest."""
+    from ._safeload import SafetensorError, parse_digest
+
+    if not args.files and args.manifest is None:
+        parser.error("the following arguments are required: FILE (or --manifest)")
+    sha256 = args.sha256
+    if sha256 is not None:
+        if len(args.files) != 1:
+            parser.error("--sha256 checks one FILE")
+        try:
+            sha256 = parse_digest(sha256)
+        except SafetensorError as exc:
+            parser.error(f"--sha256: {exc}")
+    return {"manifest": args.manifest, "sha256": sha256}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -218,10 +369,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 print(f"safeload inspect: {redact(args.file)}: {message}", file=sys.stderr)
                 return 1
+        if args.command in ("verify", "hash") and args.threads is not None and args.threads < 1:
+            parser.error("--threads must be at least 1")
         if args.command == "verify":
-            if args.threads is not None and args.threads < 1:
-                parser.error("--threads must be at least 1")
-            return verify_files(args.files, threads=args.threads)
+            return verify_files(args.files, threads=args.threads, **_pins(parser, args))
+        if args.command == "hash":
+            return hash_files(args.paths, threads=args.threads)
         if args.command == "patch-install":
             return patch_install(args.target, args.remove)
     except BrokenPipeError:  # `safeload inspect f | head`

@@ -56,6 +56,7 @@ pub(super) fn options(
         threads: threads.map(|t| t.max(1)),
         chunk_bytes,
         drop_cache,
+        hash: false,
     }
 }
 

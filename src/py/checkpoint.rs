@@ -56,8 +56,11 @@ impl Checkpoint {
 
 #[pymethods]
 impl Checkpoint {
+    /// `hash=True`: reads of every byte of each shard in file order (its batches, one after
+    /// the other) compute its SHA-256 in the same pass (`digests()`); never a map.
     #[new]
-    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None))]
+    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, converted once
     fn new(
         py: Python<'_>,
         path_or_paths: CheckpointArg,
@@ -66,9 +69,13 @@ impl Checkpoint {
         chunk_bytes: Option<usize>,
         drop_cache: bool,
         storage_options: Option<StorageOptions>,
+        hash: bool,
     ) -> PyResult<Self> {
         let backend = BackendArg::or_default(backend)?;
-        let opts = options(threads, chunk_bytes, drop_cache);
+        let opts = crate::source::ReadOptions {
+            hash,
+            ..options(threads, chunk_bytes, drop_cache)
+        };
         let store = storage_options.unwrap_or_default().0;
         let inner = detached(py, |_| match &path_or_paths {
             CheckpointArg::At(at) => checkpoint::Checkpoint::open_at(at, backend, opts, &store),
@@ -250,6 +257,13 @@ impl Checkpoint {
     /// What every rank must agree on: shard file names and each tensor's place, dtype and shape.
     fn digest(&self) -> PyResult<String> {
         Ok(crate::shares::digest(&*self.get()?))
+    }
+
+    /// Each shard's SHA-256 (hex, in order) when opened with `hash=True` and read in full, in
+    /// file order, since; else a `SafetensorError` naming the shard and the bytes not read.
+    fn digests(&self) -> PyResult<Vec<String>> {
+        let digests = self.get()?.digests()?;
+        Ok(digests.iter().map(ToString::to_string).collect())
     }
 
     fn close(&self) {

@@ -5,6 +5,7 @@
 mod args;
 mod bytes;
 mod checkpoint;
+mod digest;
 mod dlpack;
 mod errors;
 mod handle;
@@ -116,6 +117,11 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
     m.add_function(wrap_pyfunction!(redact, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::hash_files, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::read_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::manifest_line, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::parse_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::checkpoint_files, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;

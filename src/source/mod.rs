@@ -1,8 +1,9 @@
 //! An opened checkpoint file: its validated header, and the ways to get tensor bytes out of it
 //! (parallel pread into owned buffers, a private map, or the byte rows of a slice).
 //!
-//! Here: the file, its strategy and its map; a slice's rows and spans of the data area in
-//! `ranges`, whole tensors (typed targets, new memory, map views) in `tensors`.
+//! Here: the file, its strategy, its map and its hash; a slice's rows and spans of the data area
+//! in `ranges`, whole tensors (typed targets, new memory, map views) in `tensors`, whole files
+//! read for their digests in `digests`.
 
 use std::path::{Path, PathBuf};
 
@@ -10,17 +11,21 @@ pub use crate::backing::Backing;
 use std::sync::{Arc, OnceLock};
 
 use crate::buffer::{self, Region, TensorBytes};
+use crate::digest::Digest;
 use crate::engine::{self, Input, Settings};
 use crate::error::{Error, Result};
+use crate::filehash::{self, FileHash};
 use crate::header::{self, Header, TensorInfo};
 use crate::platform::FsKind;
 use crate::platform::{self, Uncached};
 use crate::strategy::{self, Backend, Strategy};
 
+mod digests;
 mod ranges;
 mod remote;
 mod tensors;
 
+pub use digests::hash_files;
 pub(crate) use ranges::read_data_ranges;
 pub(crate) use tensors::{Target, Tensors, read_or_map, read_targets};
 
@@ -33,6 +38,17 @@ pub struct ReadOptions {
     pub chunk_bytes: Option<usize>,
     /// Drop the files' pages from the page cache after reading (load-once hygiene).
     pub drop_cache: bool,
+    /// Reads feed the SHA-256 of the files whose hash was started ([`Source::start_hash`]);
+    /// such reads are never maps.
+    pub hash: bool,
+}
+
+impl ReadOptions {
+    /// Whether the reader must read the files' bytes itself (a map reads none): to drop their
+    /// pages after, or to hash them.
+    pub fn reads_bytes(&self) -> bool {
+        self.drop_cache || self.hash
+    }
 }
 
 pub struct Source {
@@ -42,8 +58,13 @@ pub struct Source {
     pub file_len: u64,
     pub header: Header,
     pub kind: FsKind,
+    /// The 8-byte prefix and the JSON header, exactly as read and parsed: a digest of the file
+    /// starts with them.
+    head: Box<[u8]>,
     map: OnceLock<Arc<Region>>,
     direct: OnceLock<Option<Uncached>>,
+    /// The file's SHA-256 so far, when started.
+    hash: filehash::Slot,
 }
 
 impl Source {
@@ -70,20 +91,67 @@ impl Source {
         let mut prefix = [0u8; 8];
         let got = platform::read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
         let json_len = header::header_len(&prefix[..got], file_len).map_err(header_err)?;
-        let mut json = vec![0u8; json_len as usize];
-        let got = platform::read_fully_at(&file, &mut json, 8).map_err(open_err)?;
-        if got < json.len() {
+        let mut head = vec![0u8; 8 + json_len as usize];
+        head[..8].copy_from_slice(&prefix);
+        let got = platform::read_fully_at(&file, &mut head[8..], 8).map_err(open_err)?;
+        if 8 + got < head.len() {
             return Err(header_err(header::HeaderError::InvalidHeaderLength));
         }
-        let header = header::parse(&json, file_len).map_err(header_err)?;
+        Source::new(
+            path,
+            FsKind::of(&file, path),
+            Backing::File(file),
+            file_len,
+            head,
+        )
+    }
+
+    /// The source of a file of `file_len` bytes starting with `head` (its prefix and header),
+    /// once the header is parsed.
+    fn new(
+        path: &Path,
+        kind: FsKind,
+        backing: Backing,
+        file_len: u64,
+        head: Vec<u8>,
+    ) -> Result<Source> {
+        let header_err = |reason| Error::header(Some(path), reason);
+        let header = header::parse(&head[8..], file_len).map_err(header_err)?;
         Ok(Source {
             path: path.to_path_buf(),
-            kind: FsKind::of(&file, path),
-            backing: Backing::File(file),
+            kind,
+            backing,
             file_len,
             header,
+            head: head.into_boxed_slice(),
             map: OnceLock::new(),
             direct: OnceLock::new(),
+            hash: filehash::Slot::default(),
+        })
+    }
+
+    /// Starts (or starts again) the file's SHA-256: its prefix and header now, its data as
+    /// reads with [`ReadOptions::hash`] cover it in file order, each byte once.
+    pub fn start_hash(&self) {
+        let hash = FileHash::start(&self.head, self.file_len);
+        *self.hash.lock().unwrap_or_else(|p| p.into_inner()) = Some(hash);
+    }
+
+    /// The file's SHA-256, when its reads since [`Source::start_hash`] covered every byte; else
+    /// an error naming the range not read. Hashing ends either way.
+    pub fn finish_hash(&self) -> Result<Digest> {
+        let hash = self.hash.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let hash = hash.ok_or_else(|| {
+            Error::Internal(format!(
+                "the SHA-256 of {} was not started",
+                self.path.display()
+            ))
+        })?;
+        hash.finish().map_err(|missing| Error::Unhashed {
+            path: self.path.clone(),
+            from: missing.from,
+            to: missing.to,
+            len: self.file_len,
         })
     }
 
@@ -115,9 +183,9 @@ impl Source {
                     cached,
                     self.header.data_len(),
                     strategy::direct_above(available),
-                    // Pages asked to be dropped after the read are read, not mapped (a map's
-                    // pages are the tensors' memory).
-                    strategy::auto_may_map() && !opts.drop_cache,
+                    // Pages asked to be dropped after the read, or hashed, are read, not mapped
+                    // (a map's pages are the tensors' memory, and it reads nothing).
+                    strategy::auto_may_map() && !opts.reads_bytes(),
                     available,
                 );
                 (strategy, cached)
@@ -145,7 +213,7 @@ impl Source {
         })
     }
 
-    fn input(&self, strategy: Strategy) -> Input<'_> {
+    fn input(&self, strategy: Strategy, opts: &ReadOptions) -> Input<'_> {
         Input {
             path: &self.path,
             backing: &self.backing,
@@ -154,6 +222,7 @@ impl Source {
             } else {
                 None
             },
+            hash: opts.hash.then_some(&self.hash),
         }
     }
 
@@ -303,7 +372,7 @@ fn execute(
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<engine::Report> {
-    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy)).collect();
+    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy, opts)).collect();
     let mut report = engine::execute(&inputs, plan, settings(sources, opts), poll)?;
     report.direct_refused |=
         strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());

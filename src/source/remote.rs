@@ -41,16 +41,12 @@ impl Source {
                 return Err(header_err(header::HeaderError::InvalidHeaderLength));
             }
         }
-        let header = header::parse(&bytes[8..header_end], size).map_err(header_err)?;
-        Ok(Source {
-            path: path.to_path_buf(),
-            kind: FsKind::Network(scheme_name(&url)),
-            backing: Backing::Remote(object),
-            file_len: size,
-            header,
-            map: Default::default(),
-            direct: Default::default(),
-        })
+        // The opening GET may have brought some of the data too: the source keeps the prefix
+        // and header alone (what a digest of the object starts with).
+        bytes.truncate(header_end);
+        bytes.shrink_to_fit();
+        let kind = FsKind::Network(scheme_name(&url));
+        Source::new(path, kind, Backing::Remote(object), size, bytes)
     }
 
     #[cfg(not(feature = "remote"))]

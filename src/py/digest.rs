@@ -1,0 +1,84 @@
+//! Digests for Python: whole files hashed with the parallel reader (`safeload hash`), digests
+//! and `sha256sum` manifests read and written by the core's one parser and writer
+//! (`crate::digest`), and a checkpoint's shard files (what `hash` expands a directory to).
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+
+use super::args::{BackendArg, options};
+use super::errors::detached;
+use super::remote::StorageOptions;
+use crate::checkpoint::Checkpoint;
+use crate::digest::{self, Digest};
+use crate::error::Error;
+
+/// The SHA-256 of each file (hex, in order), every byte read once with the parallel reader in
+/// rounds of at most `max_bytes` into one buffer, several files side by side.
+#[pyfunction]
+#[pyo3(signature = (paths, *, max_bytes, backend=None, threads=None, chunk_bytes=None, storage_options=None))]
+pub(super) fn hash_files(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    max_bytes: u64,
+    backend: Option<BackendArg>,
+    threads: Option<usize>,
+    chunk_bytes: Option<usize>,
+    storage_options: Option<StorageOptions>,
+) -> PyResult<Vec<String>> {
+    let backend = BackendArg::or_default(backend)?;
+    let opts = options(threads, chunk_bytes, false);
+    let store = storage_options.unwrap_or_default().0;
+    let digests = detached(py, |poll| {
+        crate::source::hash_files(&paths, backend, &opts, &store, max_bytes, poll).map(|(d, _)| d)
+    })?;
+    Ok(digests.iter().map(Digest::to_string).collect())
+}
+
+/// The entries of the manifest at `path` (`sha256sum`'s format): `(name, hex digest)` in order,
+/// names as written (relative to the manifest's folder unless absolute).
+#[pyfunction]
+pub(super) fn read_manifest(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, String)>> {
+    let text = py
+        .detach(|| std::fs::read(&path))
+        .map_err(|source| Error::Open {
+            path: path.clone(),
+            source,
+        })?;
+    let entries = digest::parse_manifest(&text).map_err(|error| Error::Manifest { path, error })?;
+    Ok(entries
+        .into_iter()
+        .map(|e| (e.name, e.digest.to_string()))
+        .collect())
+}
+
+/// The line `sha256sum` writes for `name` with `digest` (names with `\`, LF or CR escaped as it
+/// escapes them), without the newline.
+#[pyfunction]
+pub(super) fn manifest_line(digest: &str, name: &str) -> PyResult<String> {
+    Ok(digest::manifest_line(&parse(digest)?, name))
+}
+
+/// `digest` (`sha256:<64 hex>` or 64 hex digits, either case) as 64 lowercase hex digits; a
+/// `SafetensorError` saying what was expected otherwise.
+#[pyfunction]
+pub(super) fn parse_digest(digest: &str) -> PyResult<String> {
+    Ok(parse(digest)?.to_string())
+}
+
+fn parse(digest: &str) -> Result<Digest, Error> {
+    digest.parse().map_err(Error::Argument)
+}
+
+/// The shard files of the checkpoint at `at` (a file, a directory, an index.json, a URL or a
+/// prefix), in order, as `Checkpoint(at)` opens them.
+#[pyfunction]
+#[pyo3(signature = (at, *, storage_options=None))]
+pub(super) fn checkpoint_files(
+    py: Python<'_>,
+    at: PathBuf,
+    storage_options: Option<StorageOptions>,
+) -> PyResult<Vec<PathBuf>> {
+    let store = storage_options.unwrap_or_default().0;
+    detached(py, |_| Checkpoint::files_at(&at, &store))
+}
