@@ -61,7 +61,7 @@ fn hash_sources(
         .map_err(|e| Error::Memory(format!("cannot allocate {room} bytes to hash files: {e}")))?
         .pop()
         .expect("one size, one buffer");
-    let chunk = chunk_bytes(sources, &opts);
+    let chunk = chunk_bytes(sources, opts);
     // Every file with bytes left, as many as get a chunk each: more hashes than workers keep
     // every worker hashing until the end.
     let side_by_side = (room as usize / chunk).clamp(1, sources.len().max(1));
@@ -84,7 +84,7 @@ fn hash_sources(
             done[i] += take as u64;
         }
         let plan = interleaved(sources, spans, chunk);
-        let read = execute(sources, &plan, strategy, &opts, poll)?;
+        let read = execute(sources, &plan, strategy, opts, poll)?;
         report.bytes += read.bytes;
         report.seconds += read.seconds;
         report.threads = report.threads.max(read.threads);
