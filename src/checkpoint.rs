@@ -18,6 +18,7 @@ use crate::header::TensorInfo;
 use crate::slice::SlicePlan;
 use crate::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::strategy::{self, Backend, Purpose, Strategy};
+use crate::verify::{self, Expected, Pin};
 
 /// What one read did: the backend that ran, its workers and request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,6 +50,8 @@ pub struct Checkpoint {
     direct_refused: AtomicBool,
     /// Every read so far, its read-aheads' and prefetches' included.
     totals: Arc<Tally>,
+    /// What each shard must hash to (`verify=`: [`Checkpoint::expect`]); empty when unpinned.
+    expected: Vec<Option<Expected>>,
 }
 
 impl Checkpoint {
@@ -66,6 +69,18 @@ impl Checkpoint {
         store: &crate::remote::Options,
     ) -> Result<Checkpoint> {
         Self::open_with(&Self::files_at(at, store)?, backend, opts, store)
+    }
+
+    /// The folder the names of the checkpoint at `at` are relative to (`verify=`'s mapping and
+    /// manifest keys): a directory or prefix itself, an index's folder; None for one file.
+    pub fn root_of(at: &Path, store: &crate::remote::Options) -> Result<Option<PathBuf>> {
+        let text = at.to_string_lossy();
+        if text.ends_with(".json") {
+            return Ok(at.parent().map(Path::to_path_buf));
+        }
+        let files = Self::files_at(at, store)?;
+        let single = files.len() == 1 && files[0] == at;
+        Ok((!single).then(|| PathBuf::from(text.trim_end_matches('/'))))
     }
 
     /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
@@ -121,6 +136,7 @@ impl Checkpoint {
             resolved: OnceLock::new(),
             direct_refused: AtomicBool::new(false),
             totals: Arc::default(),
+            expected: Vec::new(),
         })
     }
 
@@ -287,7 +303,10 @@ impl Checkpoint {
             &self.opts,
             poll,
         )?;
-        Ok((out, self.record(strategy, &report)))
+        let stats = self.record(strategy, &report);
+        // Pinned: nothing is returned before every shard's digest matched.
+        self.check_digests()?;
+        Ok((out, stats))
     }
 
     /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and
@@ -297,6 +316,7 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
+        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Copies);
         let report = source::read_targets(&self.sources(), targets, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
@@ -311,6 +331,7 @@ impl Checkpoint {
         plan: &SlicePlan,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, ReadStats)> {
+        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Parts);
         let source = &self.shards[shard];
         if strategy == Strategy::Mmap {
@@ -329,6 +350,7 @@ impl Checkpoint {
         ranges: Vec<(u64, &mut [u8])>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
+        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Copies);
         let source = &self.shards[shard];
         let report = source::read_data_ranges(source, ranges, strategy, &self.opts, poll)?;
@@ -345,6 +367,51 @@ impl Checkpoint {
             ));
         }
         self.shards.iter().map(|s| s.finish_hash()).collect()
+    }
+
+    /// Pins every shard to a digest (`verify=`), resolved now, before anything is read
+    /// ([`verify::expectations`]); the checkpoint must hash its reads ([`ReadOptions::hash`]).
+    /// `root`: what names are relative to ([`Checkpoint::root_of`]).
+    pub fn expect(&mut self, pin: &Pin, root: Option<&Path>) -> Result<()> {
+        if !self.opts.hash {
+            return Err(Error::Argument(
+                "verify= needs a checkpoint opened with hash=True".into(),
+            ));
+        }
+        let paths: Vec<PathBuf> = self.shards.iter().map(|s| s.path.clone()).collect();
+        self.expected = verify::expectations(pin, root, &paths)?;
+        Ok(())
+    }
+
+    /// The shards whose digest was pinned (and so checked by every read that returns tensors),
+    /// and those that load unverified (no digest known, under a lenient pin).
+    pub fn pinned(&self) -> (usize, usize) {
+        let known = self.expected.iter().filter(|e| e.is_some()).count();
+        (known, self.expected.len() - known)
+    }
+
+    /// Compares every pinned shard's digest with what its reads hashed; a shard not read whole
+    /// in file order is an error too (its digest is unknown). Nothing to do when unpinned.
+    fn check_digests(&self) -> Result<()> {
+        for (shard, expected) in self.shards.iter().zip(&self.expected) {
+            let actual = shard.finish_hash()?;
+            if let Some(expected) = expected {
+                expected.check(&shard.path, &actual)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `Ok` unless the checkpoint is pinned: `what` returns bytes before the whole of each shard
+    /// is hashed, so it cannot honour `verify=` (refused, never skipped).
+    fn unpinned(&self, what: &str) -> Result<()> {
+        match self.expected.is_empty() {
+            true => Ok(()),
+            false => Err(Error::Argument(format!(
+                "verify= checks whole files read at once (load_file, load_checkpoint); {what} \
+                 cannot be verified before it returns"
+            ))),
+        }
     }
 
     fn sources(&self) -> Vec<&Source> {

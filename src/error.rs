@@ -78,6 +78,9 @@ pub enum Error {
         to: u64,
         len: u64,
     },
+    /// A file whose bytes are not the ones pinned (`verify=`), or with no digest to check
+    /// against; the message names the file, the digests and where the expectation came from.
+    Verify(String),
     /// A manifest of digests (`sha256sum`'s format) with a line that is not one.
     Manifest {
         path: PathBuf,
@@ -193,7 +196,8 @@ impl fmt::Display for Unredacted<'_> {
             | Error::Prefetch(message)
             | Error::Memory(message)
             | Error::Argument(message)
-            | Error::Remote(message) => f.write_str(message),
+            | Error::Remote(message)
+            | Error::Verify(message) => f.write_str(message),
             Error::Shrank {
                 path,
                 tensor,

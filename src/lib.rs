@@ -36,6 +36,7 @@ mod source;
 mod staging;
 mod strategy;
 mod stream;
+mod verify;
 
 #[cfg(feature = "python")]
 mod py;

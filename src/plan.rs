@@ -105,6 +105,24 @@ impl<'d> Plan<'d> {
         }
     }
 
+    /// Reorders the chunks so that the files take turns, each file's chunks still in offset
+    /// order: a read that hashes starts every file's hash at once, so several files hash on
+    /// several cores (one file's SHA-256 is serial) instead of one after the other.
+    pub fn take_turns(&mut self) {
+        let files = self.chunks.iter().map(|c| c.file + 1).max().unwrap_or(0);
+        if files < 2 {
+            return;
+        }
+        let mut queues = vec![std::collections::VecDeque::new(); files];
+        for chunk in self.chunks.drain(..) {
+            queues[chunk.file].push_back(chunk);
+        }
+        while queues.iter().any(|q| !q.is_empty()) {
+            self.chunks
+                .extend(queues.iter_mut().filter_map(|q| q.pop_front()));
+        }
+    }
+
     pub fn total_bytes(&self) -> u64 {
         self.chunks.iter().map(|c| c.len as u64).sum()
     }
@@ -265,5 +283,19 @@ mod tests {
             assert_eq!(s.dest_len, s.len * 2);
         }
         assert!(plan.chunks.iter().all(|c| c.len <= 4096));
+    }
+
+    #[test]
+    fn files_take_turns_each_in_offset_order() {
+        let mut bufs = [[0u8; 8192]; 3];
+        let mut plan = Plan::new(4096);
+        let [a, b, c] = &mut bufs;
+        plan.add(0, 0, a, "a");
+        plan.add(1, 0, &mut b[..4096], "b");
+        plan.add(2, 0, c, "c");
+        plan.take_turns();
+        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
+        assert_eq!(order, [(0, 0), (1, 0), (2, 0), (0, 4096), (2, 4096)]);
+        assert_eq!(plan.total_bytes(), 5 * 4096);
     }
 }

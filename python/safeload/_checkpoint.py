@@ -43,8 +43,14 @@ def load_checkpoint(
     return_stats: bool = False,
     dtype: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    verify: Any = None,
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
+
+    ``verify``: each shard's SHA-256 is computed in the same pass as its read and checked before
+    anything is returned: a ``{name: digest}`` mapping (names relative to the directory or the
+    index's folder; a file's bare name), a ``sha256sum`` manifest's path, or True (the Hugging
+    Face cache's blob names, a ``SHA256SUMS`` beside the files). See README, "Verified loads".
 
     ``dtype`` (torch.float32/float16/bfloat16) converts the floating-point tensors on the way.
 
@@ -53,11 +59,17 @@ def load_checkpoint(
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
     :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
     convert, target = _converter(framework, device)
+    pinned = verify is not None and verify is not False
+    if pinned and target is not None:
+        raise SafetensorError(f"verify= checks loads into CPU memory; device={device!r} is not verified yet")
+    if pinned and progress not in (None, False):
+        raise SafetensorError("verify= reads each file whole before returning; progress= reports batches: "
+                              "use one or the other")
     ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                      storage_options=storage_options)
+                      storage_options=storage_options, verify=verify)
     paths = ckpt.paths
     if progress is None:
-        progress = _wants_bar(paths) or None
+        progress = None if pinned else (_wants_bar(paths) or None)
     elif progress is False:
         progress = None
     out: Dict[str, Any] = {}

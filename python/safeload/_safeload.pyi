@@ -243,6 +243,7 @@ class Checkpoint:
         drop_cache: bool = False,
         storage_options: Optional[Dict[str, Any]] = None,
         hash: bool = False,
+        verify: Union[None, bool, Dict[str, str], str, os.PathLike[str]] = None,
     ) -> Self: ...
     @property
     def backend(self) -> str: ...

@@ -148,11 +148,17 @@ def save_model(
 
 
 def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND,
-              dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
+              dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None,
+              verify: Any = None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of ``filename`` (a path or a URL; in parallel, into memory each tensor
     owns). ``storage_options``: see :func:`safeload.safe_open`.
     ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on the
-    way, bit-exact with ``tensor.to(dtype)``."""
+    way, bit-exact with ``tensor.to(dtype)``. ``verify``: the file's SHA-256 checked in the
+    same pass before anything is returned (``{file name: digest}``, a manifest's path or True;
+    see :func:`load_checkpoint`)."""
+    if verify is not None and verify is not False:
+        return load_checkpoint([filename], device=device, backend=backend, dtype=dtype,
+                               storage_options=storage_options, verify=verify)
     with safe_open(filename, framework="pt", device=device, backend=backend, storage_options=storage_options) as f:
         return f.get_tensors(dtype=dtype) if dtype is not None else f.get_tensors()
 

@@ -47,6 +47,45 @@ pub(super) enum CheckpointArg {
     Files(Vec<std::path::PathBuf>),
 }
 
+/// `verify=` as Python passes it: None or False (off), True (the digests the source knows, a
+/// file with none an error), a `{name: digest}` mapping, or a manifest's path (`str` or
+/// `os.PathLike`). Anything else is refused.
+pub(super) struct VerifyArg(pub Option<crate::verify::Pin>);
+
+impl<'py> FromPyObject<'_, 'py> for VerifyArg {
+    type Error = PyErr;
+
+    fn extract(ob: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        use crate::verify::Pin;
+        use pyo3::types::{PyBool, PyDict};
+        if ob.is_none() {
+            return Ok(VerifyArg(None));
+        }
+        if let Ok(flag) = ob.cast::<PyBool>() {
+            return Ok(VerifyArg(
+                flag.is_true().then_some(Pin::Known { strict: true }),
+            ));
+        }
+        if let Ok(mapping) = ob.cast::<PyDict>() {
+            let pairs = (mapping.iter())
+                .map(|(k, v)| Ok((k.extract::<String>()?, v.extract::<String>()?)))
+                .collect::<PyResult<Vec<_>>>()
+                .map_err(|_| {
+                    Error::Argument("verify: a mapping of file names to digests (str: str)".into())
+                })?;
+            return Ok(VerifyArg(Some(Pin::Mapping(pairs))));
+        }
+        if let Ok(path) = ob.extract::<std::path::PathBuf>() {
+            return Ok(VerifyArg(Some(Pin::Manifest(path))));
+        }
+        Err(Error::Argument(format!(
+            "verify= takes None, True, a {{name: digest}} mapping or a manifest's path, not {}",
+            ob.get_type().name()?
+        ))
+        .into())
+    }
+}
+
 pub(super) fn options(
     threads: Option<usize>,
     chunk_bytes: Option<usize>,

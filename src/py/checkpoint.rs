@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
-use super::args::{BackendArg, CheckpointArg, options, parse_dtype};
+use super::args::{BackendArg, CheckpointArg, VerifyArg, options, parse_dtype};
 use super::bytes::{Bytes, Importer, TensorTuple};
 use super::dlpack::Destinations;
 use super::errors::detached;
@@ -59,7 +59,10 @@ impl Checkpoint {
     /// `hash=True`: reads of every byte of each shard in file order (its batches, one after
     /// the other) compute its SHA-256 in the same pass (`digests()`); never a map.
     #[new]
-    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false))]
+    /// `verify`: pins every shard to a SHA-256 (a `{name: digest}` mapping, a manifest's path, or
+    /// True for the digests the source knows): resolved at open, checked by `read` before it
+    /// returns (see `crate::verify`); implies `hash`.
+    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false, verify=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, converted once
     fn new(
         py: Python<'_>,
@@ -70,18 +73,30 @@ impl Checkpoint {
         drop_cache: bool,
         storage_options: Option<StorageOptions>,
         hash: bool,
+        verify: Option<VerifyArg>,
     ) -> PyResult<Self> {
         let backend = BackendArg::or_default(backend)?;
+        let pin = verify.and_then(|v| v.0);
         let opts = crate::source::ReadOptions {
-            hash,
+            hash: hash || pin.is_some(),
             ..options(threads, chunk_bytes, drop_cache)
         };
         let store = storage_options.unwrap_or_default().0;
-        let inner = detached(py, |_| match &path_or_paths {
-            CheckpointArg::At(at) => checkpoint::Checkpoint::open_at(at, backend, opts, &store),
-            CheckpointArg::Files(paths) => {
-                checkpoint::Checkpoint::open_with(paths, backend, opts, &store)
+        let inner = detached(py, |_| {
+            let (mut ckpt, root) = match &path_or_paths {
+                CheckpointArg::At(at) => (
+                    checkpoint::Checkpoint::open_at(at, backend, opts, &store)?,
+                    checkpoint::Checkpoint::root_of(at, &store)?,
+                ),
+                CheckpointArg::Files(paths) => (
+                    checkpoint::Checkpoint::open_with(paths, backend, opts, &store)?,
+                    None,
+                ),
+            };
+            if let Some(pin) = &pin {
+                ckpt.expect(pin, root.as_deref())?;
             }
+            Ok(ckpt)
         })?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),

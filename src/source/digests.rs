@@ -95,22 +95,17 @@ fn hash_sources(
 }
 
 /// A plan of `spans` (file, data-area offset, destination) whose chunks take turns between the
-/// files, so that the workers start every file's hash at once.
+/// files ([`Plan::take_turns`]), so that the workers start every file's hash at once.
 fn interleaved<'d>(
     sources: &[&Source],
-    mut spans: Vec<(usize, u64, &'d mut [u8])>,
+    spans: Vec<(usize, u64, &'d mut [u8])>,
     chunk: usize,
 ) -> Plan<'d> {
     let mut plan = Plan::new(chunk);
-    while spans.iter().any(|(_, _, dest)| !dest.is_empty()) {
-        for (file, at, dest) in &mut spans {
-            let take = chunk.min(dest.len());
-            let (piece, rest) = std::mem::take(dest).split_at_mut(take);
-            *dest = rest;
-            add_span(&mut plan, *file, sources[*file], *at, piece);
-            *at += take as u64;
-        }
+    for (file, at, dest) in spans {
+        add_span(&mut plan, file, sources[file], at, dest);
     }
+    plan.take_turns();
     plan
 }
 

@@ -70,6 +70,9 @@ pub fn read_targets(
             plan.add_converting(t.source, at, t.dest, t.info.dtype, t.dtype, &t.info.name);
         }
     }
+    if opts.hash {
+        plan.take_turns();
+    }
     execute(sources, &plan, strategy, opts, poll)
 }
 

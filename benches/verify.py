@@ -1,0 +1,96 @@
+"""What ``verify=`` costs: a load with and without it, and the way users check today (hashlib
+over each file, then the load), side by side in fresh processes, interleaved, warm and cold,
+medians, with peak RSS.
+
+    python benches/verify.py CHECKPOINT... [--rounds 3]
+
+Each CHECKPOINT is a .safetensors file or a folder of shards (`bench.py`'s samples:
+bench-data/full/sharded, bench-data/full/llama/model.safetensors). Cold rounds drop the files'
+pages with POSIX_FADV_DONTNEED (the host may still cache them: cold figures vary)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+HOWS = ("load", "verify=", "hashlib, then load")
+
+CHILD = r"""
+import hashlib, json, os, resource, sys, time
+import torch, safeload.torch
+how, target, cold, pins = sys.argv[1], sys.argv[2], sys.argv[3] == "1", json.loads(sys.argv[4])
+files = [os.path.join(target, n) for n in pins] if os.path.isdir(target) else [target]
+for f in files:
+    fd = os.open(f, os.O_RDONLY)
+    if cold:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    else:
+        while os.read(fd, 64 << 20):
+            pass
+    os.close(fd)
+t = time.perf_counter()
+if how == "load":
+    sd = safeload.torch.load_checkpoint(target, backend="pread")
+elif how == "verify=":
+    sd = safeload.torch.load_checkpoint(target, backend="pread", verify=pins)
+else:
+    for f in files:
+        with open(f, "rb") as fh:
+            assert hashlib.file_digest(fh, "sha256").hexdigest() == pins[os.path.basename(f)]
+    sd = safeload.torch.load_checkpoint(target, backend="pread")
+seconds = time.perf_counter() - t
+print(json.dumps({"s": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "n": len(sd)}))
+"""
+
+
+def _files(target: str) -> List[str]:
+    if os.path.isdir(target):
+        return sorted(os.path.join(target, n) for n in os.listdir(target) if n.endswith(".safetensors"))
+    return [target]
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def run(targets: List[str], rounds: int) -> List[str]:
+    """The table's lines: one row per checkpoint and cache state."""
+    res: Dict[Tuple[str, bool, str], List[Tuple[float, int]]] = {}
+    for target in targets:
+        pins = json.dumps({os.path.basename(f): _sha(f) for f in _files(target)})
+        for r in range(rounds):
+            for cold in (False, True):
+                for how in HOWS[r % 3:] + HOWS[:r % 3]:  # each first in turn
+                    out = subprocess.run([sys.executable, "-c", CHILD, how, target, "1" if cold else "0", pins],
+                                         capture_output=True, text=True, check=True)
+                    got = json.loads(out.stdout.strip().splitlines()[-1])
+                    res.setdefault((target, cold, how), []).append((got["s"], got["rss"]))
+    lines = ["| checkpoint | state | load s | `verify=` s | ratio | hashlib, then load s | that / `verify=` "
+             "| peak RSS load / `verify=` MiB |", "|---|---|---|---|---|---|---|---|"]
+    for target in targets:
+        for cold in (False, True):
+            m = {h: statistics.median(x[0] for x in res[(target, cold, h)]) for h in HOWS}
+            rss = {h: statistics.median(x[1] for x in res[(target, cold, h)]) / 1024 for h in HOWS}
+            lines.append(f"| {target} | {'cold' if cold else 'warm'} | {m['load']:.3f} | {m['verify=']:.3f} | "
+                         f"{m['verify='] / m['load']:.2f} | {m[HOWS[2]]:.3f} | {m[HOWS[2]] / m['verify=']:.2f} | "
+                         f"{rss['load']:.0f} / {rss['verify=']:.0f} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    print("\n".join(run(args.checkpoints, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()
