@@ -204,3 +204,30 @@ def test_the_cli_hash_is_a_pin_load_checkpoint_accepts(ckpt, tmp_path):
     _same(safeload.torch.load_checkpoint(str(folder), verify=True), ref)
     shutil.copy(folder / "SHA256SUMS", tmp_path / "elsewhere.txt")
     _same(safeload.torch.load_checkpoint(str(folder), verify=str(tmp_path / "elsewhere.txt")), ref)
+
+
+def test_a_server_that_shifts_its_ranges_is_caught(tmp_path):
+    """A server answering every data range with the bytes 7 further on, under correct headers:
+    nothing in the protocol can tell; the loads without verify= return wrong tensors, verify=
+    raises before returning any."""
+    from range_server import RangeServer
+
+    path = tmp_path / "m.safetensors"
+    g = torch.Generator().manual_seed(3)
+    st_torch.save_file({f"t{i}": torch.randn(512, 64, generator=g) for i in range(10)}, str(path))
+    ref = st_torch.load_file(str(path))
+    digest = _sha(path)
+    server = RangeServer(str(tmp_path)).start()
+    try:
+        server.shift = 7
+        url = f"{server.url}/m.safetensors"
+        wrong = safeload.torch.load_file(url)  # the failure verify= exists for
+        assert sorted(wrong) == sorted(ref) and any(not torch.equal(wrong[k], ref[k]) for k in ref)
+        for load in (lambda: safeload.torch.load_file(url, verify={"m.safetensors": digest}),
+                     lambda: safeload.torch.load_checkpoint(url, verify={"m.safetensors": digest})):
+            with pytest.raises(safeload.SafetensorError, match=f"expected {digest} \\(the mapping\\), read "):
+                load()
+        server.shift = 0
+        _same(safeload.torch.load_file(url, verify={"m.safetensors": digest}), ref)
+    finally:
+        server.stop()

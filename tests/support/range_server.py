@@ -13,6 +13,9 @@ deterministic:
 - ``ignore_range``: answer ranged GETs with 200 and the whole file;
 - ``stall_after``: every GET sends its headers and this many body bytes, then nothing until the
   server is reset or stopped (a stalled server);
+- ``shift``: every ranged GET that does not start at 0 (the opening probe is left whole, so the
+  header parses) answers the range asked under correct headers with the bytes this many bytes
+  further on (zeros past the end): data that nothing in the protocol tells apart;
 - ``overlong``: every ranged GET answers 206 for the range asked, then sends this many bytes
   more than the range;
 - ``error_body``: with ``status``, the error response's body has this many bytes;
@@ -71,6 +74,7 @@ class RangeServer(ThreadingHTTPServer):
         self.ignore_range = False
         self.stall_after: Optional[int] = None
         self.overlong = 0
+        self.shift = 0
         self.error_body = 0
         self.require_query: Optional[str] = None
         self.redirect_to: Optional[str] = None
@@ -122,6 +126,7 @@ class RangeServer(ThreadingHTTPServer):
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
             self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
+            self.shift = 0
             self.redirect_to, self.busy, self.busy_for = None, 0, 1
             self.requests, self.gets, self.authorizations, self.started = [], 0, [], []
             self.released.set()
@@ -216,7 +221,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        self._send_file(path, begin, send)
+        shift = srv.shift if wanted is not None and begin > 0 else 0
+        self._send_file(path, begin + shift, send, pad=shift > 0)
         if stall_after is not None:  # headers and a few bytes, then nothing
             self.wfile.flush()
             released.wait(120)
@@ -230,14 +236,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_WR)
             self.close_connection = True
 
-    def _send_file(self, path: str, begin: int, length: int) -> None:
+    def _send_file(self, path: str, begin: int, length: int, pad: bool = False) -> None:
+        """``length`` bytes of the file from ``begin``; where it ends first, zeros (``pad``, a
+        shifted range) or nothing more (the body is cut short)."""
         sent = 0
         with open(path, "rb") as f:
             f.seek(begin)
             while sent < length:
                 block = f.read(min(1 << 20, length - sent))
-                if not block:
+                if not block and not pad:
                     break
+                if not block:
+                    block = b"\0" * min(1 << 20, length - sent)
                 self.wfile.write(block)
                 sent += len(block)
 
