@@ -383,11 +383,12 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The shards whose digest was pinned (and so checked by every read that returns tensors),
-    /// and those that load unverified (no digest known, under a lenient pin).
-    pub fn pinned(&self) -> (usize, usize) {
-        let known = self.expected.iter().filter(|e| e.is_some()).count();
-        (known, self.expected.len() - known)
+    /// Each pinned shard's path and where its expected digest came from (checked by every read
+    /// that returns tensors), for the log.
+    pub fn pinned(&self) -> Vec<(&Path, &str)> {
+        (self.shards.iter().zip(&self.expected))
+            .filter_map(|(s, e)| Some((s.path.as_path(), e.as_ref()?.from.as_str())))
+            .collect()
     }
 
     /// Compares every pinned shard's digest with what its reads hashed; a shard not read whole

@@ -64,8 +64,12 @@ def _manifest(path, digests, binary=False):
     return path
 
 
-def test_pinned_digests_load_the_same_tensors_as_0_8(ckpt, tmp_path):
+def test_pinned_digests_load_the_same_tensors_as_0_8(ckpt, tmp_path, caplog):
     folder, ref, digests = ckpt
+    with caplog.at_level("INFO", logger="safeload"):
+        safeload.torch.load_checkpoint(str(folder), verify=digests)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("verified ")]
+    assert logged == [f"verified {folder / name}: SHA-256 matches the mapping" for name in sorted(digests)], logged
     index = str(folder / "model.safetensors.index.json")
     mapping = {name: f"sha256:{d}" for name, d in digests.items()}
     for at in [str(folder), index]:

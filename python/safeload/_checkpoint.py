@@ -89,9 +89,12 @@ def load_checkpoint(
                     for name, code, shape, data in items:
                         out[name] = convert(name, code, shape, data)
         stats = ckpt.stats()
+        checked = ckpt.pinned() if pinned else []
     finally:
         ckpt.close()
     _logging.log_read(paths, stats, "load_checkpoint")
+    for path, source in checked:
+        _logging.logger.info("verified %s: SHA-256 matches %s", path, source)
     return (out, stats) if return_stats else out
 
 

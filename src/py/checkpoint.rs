@@ -103,6 +103,15 @@ impl Checkpoint {
         })
     }
 
+    /// `(path, where its digest came from)` of each shard pinned by `verify=` (URLs without
+    /// their secrets), in order: what a read that returned tensors checked.
+    fn pinned(&self) -> PyResult<Vec<(PathBuf, String)>> {
+        let ckpt = self.get()?;
+        Ok((ckpt.pinned().into_iter())
+            .map(|(path, from)| (super::shown(path), from.to_string()))
+            .collect())
+    }
+
     /// The backend reads will use ("mmap", "pread" or "direct"; "auto" resolved).
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
