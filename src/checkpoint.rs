@@ -72,15 +72,15 @@ impl Checkpoint {
     }
 
     /// The folder the names of the checkpoint at `at` are relative to (`verify=`'s mapping and
-    /// manifest keys): a directory or prefix itself, an index's folder; None for one file.
-    pub fn root_of(at: &Path, store: &crate::remote::Options) -> Result<Option<PathBuf>> {
+    /// manifest keys), given the `files` it resolved to ([`Checkpoint::files_at`]): a directory
+    /// or prefix itself, an index's folder; None for one file.
+    pub fn root_of(at: &Path, files: &[PathBuf]) -> Option<PathBuf> {
         let text = at.to_string_lossy();
         if text.ends_with(".json") {
-            return Ok(at.parent().map(Path::to_path_buf));
+            return at.parent().map(Path::to_path_buf);
         }
-        let files = Self::files_at(at, store)?;
         let single = files.len() == 1 && files[0] == at;
-        Ok((!single).then(|| PathBuf::from(text.trim_end_matches('/'))))
+        (!single).then(|| PathBuf::from(text.trim_end_matches('/')))
     }
 
     /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a

@@ -84,10 +84,15 @@ impl Checkpoint {
         let store = storage_options.unwrap_or_default().0;
         let inner = detached(py, |_| {
             let (mut ckpt, root) = match &path_or_paths {
-                CheckpointArg::At(at) => (
-                    checkpoint::Checkpoint::open_at(at, backend, opts, &store)?,
-                    checkpoint::Checkpoint::root_of(at, &store)?,
-                ),
+                CheckpointArg::At(at) => {
+                    // Resolved once: the files to open, and the folder their names are in.
+                    let files = checkpoint::Checkpoint::files_at(at, &store)?;
+                    let root = checkpoint::Checkpoint::root_of(at, &files);
+                    (
+                        checkpoint::Checkpoint::open_with(&files, backend, opts, &store)?,
+                        root,
+                    )
+                }
                 CheckpointArg::Files(paths) => (
                     checkpoint::Checkpoint::open_with(paths, backend, opts, &store)?,
                     None,
