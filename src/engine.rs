@@ -67,6 +67,14 @@ impl Report {
             asked => asked,
         }
     }
+
+    /// Adds `other` in: bytes and seconds add up, the most workers either used.
+    pub fn add(&mut self, other: &Report) {
+        self.bytes += other.bytes;
+        self.seconds += other.seconds;
+        self.threads = self.threads.max(other.threads);
+        self.direct_refused |= other.direct_refused;
+    }
 }
 
 /// Reads added up as they finish: bytes, seconds, the most workers one used, and the strategy
@@ -82,9 +90,10 @@ impl Tally {
         let strategy = report.ran_with(strategy);
         let mut tally = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let (sum, latest) = &mut *tally;
-        sum.bytes += report.bytes;
-        sum.seconds += report.seconds;
-        sum.threads = sum.threads.max(report.threads);
+        sum.add(&Report {
+            direct_refused: false,
+            ..*report
+        });
         if report.bytes > 0 || latest.is_none() {
             *latest = Some(strategy);
         }

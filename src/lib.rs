@@ -26,6 +26,7 @@ mod platform;
 mod pool;
 mod prefetch;
 mod readahead;
+mod record;
 mod redact;
 mod remote;
 mod serialize;

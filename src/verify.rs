@@ -21,6 +21,27 @@ pub enum Pin {
     Known { strict: bool },
 }
 
+impl Pin {
+    /// What `SAFELOAD_VERIFY` asks of code that passes no `verify=`: unset, empty or `0`: nothing;
+    /// `1`: the digests the source knows, files with none loading unverified (counted, logged);
+    /// `strict`: the same, a file with none an error. Anything else is an error naming it.
+    pub fn from_env() -> Result<Option<Pin>> {
+        Self::from_setting(std::env::var("SAFELOAD_VERIFY").ok().as_deref())
+    }
+
+    fn from_setting(value: Option<&str>) -> Result<Option<Pin>> {
+        match value.map(str::trim) {
+            None | Some("" | "0") => Ok(None),
+            Some("1") => Ok(Some(Pin::Known { strict: false })),
+            Some("strict") => Ok(Some(Pin::Known { strict: true })),
+            Some(other) => Err(Error::Argument(format!(
+                "SAFELOAD_VERIFY={other:?}: expected 1 (verify where a digest is known), strict \
+                 (every file must have one) or 0"
+            ))),
+        }
+    }
+}
+
 /// A file's expected digest and where the expectation came from, for messages and stats.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expected {
@@ -48,10 +69,12 @@ impl Expected {
 /// The expected digest of each of `shards` (None: none known, under a lenient [`Pin::Known`]),
 /// in their order. `root`: the folder names are relative to (the directory or the index's folder
 /// the caller named); None for a file or a list of files, whose names are their bare file names.
+/// `reported`: per shard, the digest its store reports (the Hub's), for [`Pin::Known`].
 pub fn expectations(
     pin: &Pin,
     root: Option<&Path>,
     shards: &[PathBuf],
+    reported: &[Option<Expected>],
 ) -> Result<Vec<Option<Expected>>> {
     let names: Vec<String> = shards.iter().map(|s| name_in(root, s)).collect();
     match pin {
@@ -73,23 +96,19 @@ pub fn expectations(
             pinned(&names, shards, &table, &from, &from)
         }
         Pin::Known { strict } => {
-            let sums = root.map(|r| r.join(SUMS)).filter(|p| p.is_file());
-            let table = sums.as_deref().map(read_manifest).transpose()?;
-            (shards.iter().zip(&names))
-                .map(|(shard, name)| {
-                    let known = cache_blob(shard).or_else(|| {
-                        let (table, sums) = (table.as_ref()?, sums.as_ref()?);
-                        let digest = lookup(table, name)?;
-                        Some(Expected {
-                            digest,
-                            from: format!("{}", sums.display()),
-                        })
-                    });
+            let mut sums = Sums::default();
+            (shards.iter().zip(&names).zip(reported))
+                .map(|((shard, name), reported)| {
+                    let known = match (cache_blob(shard), reported) {
+                        (Some(blob), _) => Some(blob),
+                        (None, Some(reported)) => Some(reported.clone()),
+                        (None, None) => sums.lookup(root, shard, name)?,
+                    };
                     match known {
                         None if *strict => Err(Error::Verify(format!(
                             "{}: no SHA-256 is known for this file (not a Hugging Face cache blob, \
-                             no {SUMS} beside it): pin one with verify={{name: digest}} or a \
-                             manifest",
+                             none reported by its store, no {SUMS} beside it): pin one with \
+                             verify={{name: digest}} or a manifest",
                             shard.display()
                         ))),
                         known => Ok(known),
@@ -97,6 +116,45 @@ pub fn expectations(
                 })
                 .collect()
         }
+    }
+}
+
+/// A manifest's lines: (name, digest).
+type Table = Vec<(String, Digest)>;
+
+/// The `SHA256SUMS` files read so far (None: there is none), by path: the root's, else each
+/// file's own folder's.
+#[derive(Default)]
+struct Sums(Vec<(PathBuf, Option<Table>)>);
+
+impl Sums {
+    /// `shard`'s digest in the `SHA256SUMS` of its root (or its own folder without one), by
+    /// `name`; None when there is no such file or it has no line for the shard.
+    fn lookup(
+        &mut self,
+        root: Option<&Path>,
+        shard: &Path,
+        name: &str,
+    ) -> Result<Option<Expected>> {
+        if crate::remote::is_url(shard) {
+            return Ok(None);
+        }
+        let Some(folder) = root.or_else(|| shard.parent()) else {
+            return Ok(None);
+        };
+        let sums = folder.join(SUMS);
+        if !self.0.iter().any(|(f, _)| *f == sums) {
+            let table = sums.is_file().then(|| read_manifest(&sums)).transpose()?;
+            self.0.push((sums.clone(), table));
+        }
+        let (_, table) = self.0.iter().find(|(f, _)| *f == sums).expect("read above");
+        Ok(table
+            .as_ref()
+            .and_then(|t| lookup(t, name))
+            .map(|digest| Expected {
+                digest,
+                from: format!("{}", sums.display()),
+            }))
     }
 }
 
@@ -151,7 +209,7 @@ fn pinned(
 
 /// A `sha256sum` manifest as (name, digest) pairs; a line not in its format is an error naming
 /// the manifest and the line.
-fn read_manifest(path: &Path) -> Result<Vec<(String, Digest)>> {
+fn read_manifest(path: &Path) -> Result<Table> {
     let open_err = |source| Error::Open {
         path: path.to_path_buf(),
         source,
@@ -222,15 +280,15 @@ mod tests {
             ),
             ("config.json".into(), format!("{a}")),
         ]);
-        let got = expectations(&mapping, Some(&dir), &shards).unwrap();
+        let got = expectations(&mapping, Some(&dir), &shards, &[None, None]).unwrap();
         assert_eq!(got[0].as_ref().unwrap().digest, a);
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert_eq!(got[0].as_ref().unwrap().from, "the mapping");
         // A single file: its bare name.
-        let one = expectations(&mapping, None, &shards[..1]).unwrap();
+        let one = expectations(&mapping, None, &shards[..1], &[None]).unwrap();
         assert_eq!(one[0].as_ref().unwrap().digest, a);
         let missing = Pin::Mapping(vec![("a.safetensors".into(), format!("{a}"))]);
-        let err = expectations(&missing, Some(&dir), &shards)
+        let err = expectations(&missing, Some(&dir), &shards, &[None, None])
             .unwrap_err()
             .to_string();
         assert!(
@@ -238,7 +296,7 @@ mod tests {
             "{err}"
         );
         let bad = Pin::Mapping(vec![("a.safetensors".into(), "sha256:12".into())]);
-        let err = expectations(&bad, Some(&dir), &shards)
+        let err = expectations(&bad, Some(&dir), &shards, &[None, None])
             .unwrap_err()
             .to_string();
         assert!(err.contains("64 hex digits"), "{err}");
@@ -248,11 +306,18 @@ mod tests {
             format!("{a}  a.safetensors\n{b} *sub/b.safetensors\n"),
         )
         .unwrap();
-        let got = expectations(&Pin::Manifest(manifest.clone()), Some(&dir), &shards).unwrap();
+        let got = expectations(
+            &Pin::Manifest(manifest.clone()),
+            Some(&dir),
+            &shards,
+            &[None, None],
+        )
+        .unwrap();
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert!(got[1].as_ref().unwrap().from.contains("sums.txt"));
         std::fs::write(&manifest, "not a manifest\n").unwrap();
-        let err = expectations(&Pin::Manifest(manifest), Some(&dir), &shards).unwrap_err();
+        let err =
+            expectations(&Pin::Manifest(manifest), Some(&dir), &shards, &[None, None]).unwrap_err();
         assert!(err.to_string().contains("line 1"), "{err}");
         let e = Expected {
             digest: a,
@@ -265,6 +330,22 @@ mod tests {
             "{err}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_environment_asks_for_known_digests_leniently_or_strictly() {
+        assert!(Pin::from_setting(None).unwrap().is_none());
+        assert!(Pin::from_setting(Some("0")).unwrap().is_none());
+        assert!(matches!(
+            Pin::from_setting(Some("1")).unwrap(),
+            Some(Pin::Known { strict: false })
+        ));
+        assert!(matches!(
+            Pin::from_setting(Some("strict")).unwrap(),
+            Some(Pin::Known { strict: true })
+        ));
+        let err = Pin::from_setting(Some("yes")).unwrap_err().to_string();
+        assert!(err.contains("SAFELOAD_VERIFY=\"yes\""), "{err}");
     }
 
     #[cfg(unix)]
@@ -282,17 +363,23 @@ mod tests {
         let root = dir.join("snap");
         let shards = [linked, plain];
         let strict = Pin::Known { strict: true };
-        let err = expectations(&strict, Some(&root), &shards)
+        let err = expectations(&strict, Some(&root), &shards, &[None, None])
             .unwrap_err()
             .to_string();
         assert!(err.contains("b.safetensors: no SHA-256 is known"), "{err}");
-        let lenient = expectations(&Pin::Known { strict: false }, Some(&root), &shards).unwrap();
+        let lenient = expectations(
+            &Pin::Known { strict: false },
+            Some(&root),
+            &shards,
+            &[None, None],
+        )
+        .unwrap();
         assert_eq!(lenient[0].as_ref().unwrap().digest, a);
         assert!(lenient[0].as_ref().unwrap().from.contains("blob name"));
         assert!(lenient[1].is_none());
         let b = Digest::of(b"b");
         std::fs::write(root.join(SUMS), format!("{b}  b.safetensors\n")).unwrap();
-        let got = expectations(&strict, Some(&root), &shards).unwrap();
+        let got = expectations(&strict, Some(&root), &shards, &[None, None]).unwrap();
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert!(got[1].as_ref().unwrap().from.ends_with(SUMS));
         std::fs::remove_dir_all(&dir).unwrap();

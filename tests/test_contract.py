@@ -30,7 +30,7 @@ from test_mps import fake_mps  # noqa: F401  (the MPS stand-in: a fixture)
 from safeload import SafetensorError, distributed
 from safeload._safeload import BACKENDS, _testing
 
-READER_ARGS = {"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress", "storage_options"}
+READER_ARGS = {"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress", "storage_options", "verify"}
 CHUNK = 8192
 
 
@@ -177,62 +177,63 @@ def _load_model(path: str, kw: Dict[str, Any], ref: Dict[str, torch.Tensor], cap
 
 ENTRIES: Dict[str, Dict[str, Any]] = {
     # name: (call(ckpt, kwargs, caplog) -> (tensors, Report)), reader arguments taken, scope
-    "safe_open.get_tensors": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "storage_options"},
+    "safe_open.get_tensors": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "storage_options", "verify"},
                                   call=lambda c, kw, log: _safe_open_get_tensors(c["one"], kw), scope="one"),
     "safe_open.get_tensors(cuda)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype",
-                                               "storage_options"}, device=True,
+                                               "storage_options", "verify"}, device=True,
                                         call=lambda c, kw, log: _safe_open_get_tensors(c["one"], kw, "cuda:0"),
                                         scope="one"),
     "safe_open.get_tensors(mps)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype",
-                                              "storage_options"}, device="mps",
+                                              "storage_options", "verify"}, device="mps",
                                        call=lambda c, kw, log: _safe_open_get_tensors(c["one"], kw, "mps"),
                                        scope="one"),
-    "safe_open.get_tensor": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
+    "safe_open.get_tensor": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options", "verify"},
                                  call=lambda c, kw, log: _safe_open_loop(c["one"], kw), scope="one"),
-    "safe_open.get_slice": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
+    "safe_open.get_slice": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options", "verify"},
                                 call=lambda c, kw, log: _safe_open_slices(c["one"], kw), scope="one"),
     "safe_open.prefetch": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
+                               refuses={"verify"},
                                call=lambda c, kw, log: _safe_open_prefetch(c["one"], kw), scope="one"),
-    "torch.load_file": dict(takes={"backend", "dtype", "storage_options"}, fn=safeload.torch.load_file,
+    "torch.load_file": dict(takes={"backend", "dtype", "storage_options", "verify"}, fn=safeload.torch.load_file,
                             call=lambda c, kw, log: _logged(lambda: safeload.torch.load_file(c["one"], **kw), log),
                             scope="one"),
-    "torch.load_file(cuda)": dict(takes={"backend", "dtype", "storage_options"}, device=True,
+    "torch.load_file(cuda)": dict(takes={"backend", "dtype", "storage_options", "verify"}, device=True,
                                   call=lambda c, kw, log: _logged(
                                       lambda: safeload.torch.load_file(c["one"], device="cuda:0", **kw), log),
                                   scope="one"),
-    "numpy.load_file": dict(takes={"backend", "storage_options"}, fn=safeload.numpy.load_file, numpy=True,
+    "numpy.load_file": dict(takes={"backend", "storage_options", "verify"}, fn=safeload.numpy.load_file, numpy=True,
                             call=lambda c, kw, log: _logged(lambda: safeload.numpy.load_file(c["one"], **kw), log),
                             scope="one"),
     "torch.load_checkpoint": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress",
-                                         "storage_options"},
+                                         "storage_options", "verify"},
                                   call=lambda c, kw, log: (lambda r: (r[0], Report.of(r[1])))(
                                       safeload.torch.load_checkpoint(c["dir"], return_stats=True, **kw)),
                                   scope="all"),
     "torch.load_checkpoint(cuda)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress",
-                                               "storage_options"}, device=True,
+                                               "storage_options", "verify"}, device=True,
                                         call=lambda c, kw, log: (lambda r: (r[0], Report.of(r[1])))(
                                             safeload.torch.load_checkpoint(c["dir"], device="cuda:0",
                                                                            return_stats=True, **kw)),
                                         scope="all"),
     "torch.load_checkpoint(mps)": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress",
-                                              "storage_options"}, device="mps",
+                                              "storage_options", "verify"}, device="mps",
                                        call=lambda c, kw, log: (lambda r: (r[0], Report.of(r[1])))(
                                            safeload.torch.load_checkpoint(c["dir"], device="mps",
                                                                           return_stats=True, **kw)),
                                        scope="all"),
     "torch.iter_checkpoint": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "progress",
-                                         "storage_options"},
+                                         "storage_options", "verify"},
                                   call=lambda c, kw, log: _logged(
                                       lambda: dict(safeload.torch.iter_checkpoint(c["dir"], max_inflight_bytes=1 << 14,
                                                                                   **kw)), log),
                                   scope="all"),
-    "torch.load_into": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options"},
+    "torch.load_into": dict(takes={"backend", "threads", "chunk_bytes", "drop_cache", "storage_options", "verify"},
                             call=lambda c, kw, log: _load_into(c["dir"], kw, c["ref"]), scope="all", copies=True),
-    "torch.load_model": dict(takes={"backend", "storage_options"}, fn=safeload.torch.load_model,
+    "torch.load_model": dict(takes={"backend", "storage_options", "verify"}, fn=safeload.torch.load_model,
                              call=lambda c, kw, log: _load_model(c["dir"], kw, c["ref"], log), scope="all",
                              copies=True),
     "distributed.load_checkpoint(plan)": dict(
-        takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "storage_options"},
+        takes={"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "storage_options", "verify"},
         fn=distributed.load_checkpoint,
         call=lambda c, kw, log: (lambda r: (r[0], Report.of(r[1])))(
             distributed.load_checkpoint(c["dir"], plan={k: None for k in c["ref"]}, return_stats=True, **kw)),
@@ -394,11 +395,38 @@ def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, s
 # -- an argument not taken is refused ----------------------------------------------------------
 
 
+def _pins(ckpt: Dict[str, Any], entry: Dict[str, Any], wrong: bool = False) -> Dict[str, str]:
+    import hashlib
+
+    files = ckpt["files"] if entry["scope"] == "all" else [ckpt["one"]]
+    pins = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            pins[os.path.basename(f)] = "0" * 64 if wrong else hashlib.file_digest(fh, "sha256").hexdigest()
+    return pins
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_verify_checks_every_file_before_any_tensor_is_returned(name, ckpt, caplog, stand_in):
+    """verify= on every entry point and destination: the right digests give 0.8's tensors, a
+    wrong one raises before any is returned; prefetch refuses it (it reads around the bytes a
+    verified handle hashed)."""
+    entry = ENTRIES[name]
+    if "verify" in entry.get("refuses", ()):
+        with pytest.raises(SafetensorError, match="verify="):
+            _call(name, ckpt, caplog, verify=_pins(ckpt, entry))
+        return
+    got, _ = _call(name, ckpt, caplog, verify=_pins(ckpt, entry))
+    _check_values(name, got, ckpt)
+    with pytest.raises(SafetensorError, match="SHA-256 mismatch: expected 0{64} \\(the mapping\\)"):
+        _call(name, ckpt, caplog, verify=_pins(ckpt, entry, wrong=True))
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_an_argument_an_entry_point_does_not_take_is_refused(name, ckpt, caplog, stand_in):
     values = {"backend": "pread", "threads": 2, "chunk_bytes": CHUNK, "drop_cache": True, "dtype": torch.float16,
               "progress": lambda d, t: None, "storage_options": {}}
-    for arg in sorted(READER_ARGS - ENTRIES[name]["takes"]):
+    for arg in sorted(READER_ARGS - ENTRIES[name]["takes"] - ENTRIES[name].get("refuses", set())):
         with pytest.raises(TypeError, match=arg):
             _call(name, ckpt, caplog, **{arg: values[arg]})
 
@@ -414,6 +442,7 @@ def test_the_table_names_every_reader_argument_of_the_signatures():
         assert params == entry["takes"], (name, params ^ entry["takes"])
     opened = set(inspect.signature(safeload.safe_open.__init__).parameters) & READER_ARGS
     assert opened | {"dtype"} == ENTRIES["safe_open.get_tensors"]["takes"]
+    assert opened == ENTRIES["safe_open.prefetch"]["takes"] | ENTRIES["safe_open.prefetch"]["refuses"]
     checkpoint = set(inspect.signature(safeload._checkpoint.load_checkpoint).parameters) & READER_ARGS
     assert checkpoint == ENTRIES["torch.load_checkpoint"]["takes"]
     streamed = set(inspect.signature(safeload._checkpoint.iter_checkpoint).parameters) & READER_ARGS

@@ -240,6 +240,39 @@ def _run(fresh_env: Dict[str, Any], code: str, **env: str) -> subprocess.Complet
                           env={**fresh_env["env"], **env}, cwd=fresh_env["site"], timeout=120)
 
 
+def test_from_pretrained_verifies_under_safeload_verify(fresh_env, tiny_bert, tmp_path):
+    """SAFELOAD_PATCH=1 SAFELOAD_VERIFY=strict at interpreter start: transformers' own
+    from_pretrained, unmodified, loads a model whose file matches its SHA256SUMS (logged), and
+    refuses one whose file changed by one byte."""
+    import hashlib
+    import shutil
+
+    _, saved, _ = tiny_bert
+    path = tmp_path / "bert"
+    shutil.copytree(saved, path)
+    files = sorted(path.glob("*.safetensors"))
+    sums = "".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n" for f in files)
+    (path / "SHA256SUMS").write_text(sums)
+    code = f"""
+        import logging, transformers
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("safeload").setLevel(logging.INFO)
+        m = transformers.BertModel.from_pretrained({str(path)!r})
+        print("loaded", len(m.state_dict()))
+    """
+    env = {"SAFELOAD_PATCH": "1", "SAFELOAD_VERIFY": "strict", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    r = _run(fresh_env, code, **env)
+    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]
+    assert f"verified {files[0]}: SHA-256 matches {path / 'SHA256SUMS'}" in r.stderr, r.stderr[-3000:]
+    with open(files[0], "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    r = _run(fresh_env, code, **env)
+    assert r.returncode != 0 and "SHA-256 mismatch" in r.stderr, (r.stdout, r.stderr[-3000:])
+
+
 def test_env_unset_costs_nothing(fresh_env):
     r = _run(fresh_env, """
         import sys

@@ -44,13 +44,17 @@ def load_checkpoint(
     dtype: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
     verify: Any = None,
+    verify_cache: Any = None,
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
 
     ``verify``: each shard's SHA-256 is computed in the same pass as its read and checked before
-    anything is returned: a ``{name: digest}`` mapping (names relative to the directory or the
-    index's folder; a file's bare name), a ``sha256sum`` manifest's path, or True (the Hugging
-    Face cache's blob names, a ``SHA256SUMS`` beside the files). See README, "Verified loads".
+    anything of it is returned: a ``{name: digest}`` mapping (names relative to the directory or
+    the index's folder; a file's bare name), a ``sha256sum`` manifest's path, or True (the
+    Hugging Face cache's blob names, the Hub's reported digests, a ``SHA256SUMS`` beside the
+    files); None: ``$SAFELOAD_VERIFY`` decides; False: off. ``verify_cache``: the verified
+    record's directory (``$SAFELOAD_VERIFY_CACHE``; see :class:`safeload.safe_open`). See README,
+    "Verified loads".
 
     ``dtype`` (torch.float32/float16/bfloat16) converts the floating-point tensors on the way.
 
@@ -59,17 +63,11 @@ def load_checkpoint(
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
     :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
     convert, target = _converter(framework, device)
-    pinned = verify is not None and verify is not False
-    if pinned and target is not None:
-        raise SafetensorError(f"verify= checks loads into CPU memory; device={device!r} is not verified yet")
-    if pinned and progress not in (None, False):
-        raise SafetensorError("verify= reads each file whole before returning; progress= reports batches: "
-                              "use one or the other")
     ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                      storage_options=storage_options, verify=verify)
+                      storage_options=storage_options, verify=verify, verify_cache=verify_cache)
     paths = ckpt.paths
     if progress is None:
-        progress = None if pinned else (_wants_bar(paths) or None)
+        progress = _wants_bar(paths) or None
     elif progress is False:
         progress = None
     out: Dict[str, Any] = {}
@@ -89,12 +87,11 @@ def load_checkpoint(
                     for name, code, shape, data in items:
                         out[name] = convert(name, code, shape, data)
         stats = ckpt.stats()
-        checked = ckpt.pinned() if pinned else []
+        checked = ckpt.pinned()
     finally:
         ckpt.close()
     _logging.log_read(paths, stats, "load_checkpoint")
-    for path, source in checked:
-        _logging.logger.info("verified %s: SHA-256 matches %s", path, source)
+    _logging.log_verified(checked)
     return (out, stats) if return_stats else out
 
 
@@ -140,16 +137,24 @@ def iter_checkpoint(
     drop_cache: bool = False,
     progress: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    verify: Any = None,
+    verify_cache: Any = None,
 ) -> Iterator[Tuple[str, Any]]:
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
-    into a model tensor by tensor."""
+    into a model tensor by tensor.
+
+    ``verify`` (see :func:`load_checkpoint`): no tensor of a shard is yielded before the whole
+    shard hashed right, so a shard larger than a batch is read whole first and its tensors are
+    yielded from those bytes: memory in flight is then up to one shard."""
     convert, _ = _converter(framework, device)
     ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes,
-                      drop_cache=drop_cache, storage_options=storage_options)
+                      drop_cache=drop_cache, storage_options=storage_options, verify=verify,
+                      verify_cache=verify_cache)
     try:
         yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))
         _logging.log_read(ckpt.paths, ckpt.stats(), "iter_checkpoint")
+        _logging.log_verified(ckpt.pinned())
     finally:
         ckpt.close()
 

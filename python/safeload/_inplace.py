@@ -31,15 +31,20 @@ COPY_BATCH_BYTES = 256 << 20
 
 def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEFAULT_BACKEND,
               threads: Optional[int] = None, chunk_bytes: Optional[int] = None,
-              drop_cache: bool = False, storage_options: Optional[Dict[str, Any]] = None) -> Stats:
+              drop_cache: bool = False, storage_options: Optional[Dict[str, Any]] = None,
+              verify: Any = None, verify_cache: Any = None) -> Stats:
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
-    match (checked before anything is read). Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(path_or_paths, backend, threads=threads,
-                      chunk_bytes=chunk_bytes, drop_cache=drop_cache, storage_options=storage_options)
+    match (checked before anything is read). ``verify`` (see
+    :func:`safeload.torch.load_checkpoint`): every shard is read whole and hashed into memory of
+    the reader's own before the first byte is copied into a tensor, so a mismatch leaves them
+    untouched. Returns the read's :class:`Stats`."""
+    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                      storage_options=storage_options, verify=verify, verify_cache=verify_cache)
     try:
         stats = _read_into(ckpt, tensors)
         _logging.log_read(ckpt.paths, stats, "load_into")
+        _logging.log_verified(ckpt.pinned())
         return stats
     finally:
         ckpt.close()
@@ -113,6 +118,7 @@ def _load_model_into(model: Any, path_or_paths: Any, backend: str, **kwargs: Any
             raise RuntimeError(f"Error(s) in loading state_dict for {model.__class__.__name__}:\n\t"
                                + "\n\t".join(mismatched))
         _logging.log_read(ckpt.paths, _read_into(ckpt, wanted), "load_model")
+        _logging.log_verified(ckpt.pinned())
     finally:
         ckpt.close()
     missing = {n for n in state if n not in infos}

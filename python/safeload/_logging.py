@@ -65,6 +65,16 @@ def log_read(path: Any, stats_like: Any, what: str = "read") -> None:
         logger.debug("%s %s: (stats unavailable)", what, path, exc_info=True)
 
 
+def log_verified(pinned: Any) -> None:
+    """Log at INFO each file a ``verify=`` load checked (``(path, where its digest came
+    from)``), and each it loaded unverified (no digest known, under ``SAFELOAD_VERIFY=1``)."""
+    for path, source in pinned:
+        if source is None:
+            logger.info("loaded %s unverified: no SHA-256 is known for it (SAFELOAD_VERIFY=1)", path)
+        else:
+            logger.info("verified %s: SHA-256 matches %s", path, source)
+
+
 def log_memory() -> None:
     """Log at DEBUG what the pool of freed memory keeps, under which bound (see README,
     "Repeated loads")."""

@@ -38,6 +38,13 @@ class safe_open:
         drop_cache: drop the file's pages from the page cache after each read.
         storage_options: for URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``), the store's
             settings over the environment's (fsspec / obstore keys; see README, Object storage).
+        verify: the file's SHA-256, checked at open: ``{file name: digest}``, a ``sha256sum``
+            manifest's path, or True (the digests the source knows). The file is read whole and
+            hashed here, and every tensor is served from those bytes. None: ``$SAFELOAD_VERIFY``
+            decides; False: off. See README, "Verified loads".
+        verify_cache: a directory for the verified record (``$SAFELOAD_VERIFY_CACHE``): a file
+            that hashed right is remembered with its identity, and a later load of it unchanged
+            skips the hash. See README, "Verified loads".
     """
 
     def __init__(
@@ -51,6 +58,8 @@ class safe_open:
         chunk_bytes: Optional[int] = None,
         drop_cache: bool = False,
         storage_options: Optional[Dict[str, Any]] = None,
+        verify: Any = None,
+        verify_cache: Any = None,
     ) -> None:
         if isinstance(filename, bytes) or not isinstance(filename, (str, os.PathLike)):
             raise TypeError(
@@ -68,7 +77,10 @@ class safe_open:
             chunk_bytes=chunk_bytes,
             drop_cache=drop_cache,
             storage_options=storage_options,
+            verify=verify,
+            verify_cache=verify_cache,
         )
+        _logging.log_verified(self._handle.pinned())
         if device_name != "cpu" and self._framework not in ("pytorch", "paddle"):
             self._handle.close()
             raise SafetensorError(

@@ -237,8 +237,12 @@ def load_checkpoint(
     return_stats: bool = False,
     dtype: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    verify: Any = None,
+    verify_cache: Any = None,
 ) -> Any:
     """A state dict (torch) of a checkpoint read by the ranks of ``process_group`` together.
+    ``verify`` (see :func:`safeload.torch.load_checkpoint`): each rank reads and hashes whole
+    every shard it reads a part of, and checks it before its part is shared.
     ``dtype`` converts the floating-point tensors (as torch's ``.to``); ``storage_options``: for
     URLs, see :func:`safeload.safe_open`.
 
@@ -250,7 +254,7 @@ def load_checkpoint(
         if ranks_needing is not None or selection is not None:
             raise SafetensorError("plan= reads per-rank slices; it does not combine with ranks_needing/selection")
         return _load_plan(path_or_paths, target, process_group, plan, backend, threads, chunk_bytes,
-                          drop_cache, return_stats, dtype, storage_options)
+                          drop_cache, return_stats, dtype, storage_options, verify, verify_cache)
     dist = _dist()
     group = _group(process_group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -265,7 +269,7 @@ def load_checkpoint(
     try:
         dev = _device.torch_device(target)
         ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                          storage_options=storage_options)
+                          storage_options=storage_options, verify=verify, verify_cache=verify_cache)
         paths = ckpt.paths
         digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
@@ -309,15 +313,16 @@ def load_checkpoint(
 
 def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,
                threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool,
-               dtype: Any, storage_options: Optional[Dict[str, Any]]) -> Any:
-    """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need."""
+               dtype: Any, storage_options: Optional[Dict[str, Any]], verify: Any, verify_cache: Any) -> Any:
+    """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need
+    (under ``verify``, every shard a slice is cut from is read and hashed whole first)."""
     out: Dict[str, Any] = {}
     paths: List[str] = []
     stats: Any = None
     error: Optional[BaseException] = None
     try:
         ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                          storage_options=storage_options)
+                          storage_options=storage_options, verify=verify, verify_cache=verify_cache)
         try:
             paths = ckpt.paths
             missing = set(plan) - {i.name for i in ckpt.infos()}

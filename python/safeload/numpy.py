@@ -67,13 +67,11 @@ def load(data: bytes) -> Dict[str, np.ndarray]:
 
 
 def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: str = DEFAULT_BACKEND,
-              storage_options: Optional[Dict[str, Any]] = None, verify: Any = None) -> Dict[str, np.ndarray]:
+              storage_options: Optional[Dict[str, Any]] = None, verify: Any = None,
+              verify_cache: Any = None) -> Dict[str, np.ndarray]:
     """Loads every array of ``filename`` (in parallel, into memory each array owns). ``verify``:
     the file's SHA-256 checked in the same pass before anything is returned (see
     :func:`safeload.torch.load_checkpoint`)."""
-    if verify is not None and verify is not False:
-        from ._checkpoint import load_checkpoint
-
-        return load_checkpoint([filename], "np", backend=backend, storage_options=storage_options, verify=verify)
-    with safe_open(filename, framework="np", backend=backend, storage_options=storage_options) as f:
+    with safe_open(filename, framework="np", backend=backend, storage_options=storage_options, verify=verify,
+                   verify_cache=verify_cache) as f:
         return f.get_tensors()

@@ -149,17 +149,15 @@ def save_model(
 
 def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND,
               dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None,
-              verify: Any = None) -> Dict[str, torch.Tensor]:
+              verify: Any = None, verify_cache: Any = None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of ``filename`` (a path or a URL; in parallel, into memory each tensor
     owns). ``storage_options``: see :func:`safeload.safe_open`.
     ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on the
     way, bit-exact with ``tensor.to(dtype)``. ``verify``: the file's SHA-256 checked in the
     same pass before anything is returned (``{file name: digest}``, a manifest's path or True;
     see :func:`load_checkpoint`)."""
-    if verify is not None and verify is not False:
-        return load_checkpoint([filename], device=device, backend=backend, dtype=dtype,
-                               storage_options=storage_options, verify=verify)
-    with safe_open(filename, framework="pt", device=device, backend=backend, storage_options=storage_options) as f:
+    with safe_open(filename, framework="pt", device=device, backend=backend, storage_options=storage_options,
+                   verify=verify, verify_cache=verify_cache) as f:
         return f.get_tensors(dtype=dtype) if dtype is not None else f.get_tensors()
 
 
@@ -182,18 +180,23 @@ def load_model(
     *,
     backend: str = DEFAULT_BACKEND,
     storage_options: Optional[Dict[str, Any]] = None,
+    verify: Any = None,
+    verify_cache: Any = None,
 ) -> Tuple[List[str], List[str]]:
     """Loads ``filename`` (or shards, a directory, an index.json) into ``model``, handling names
     that share memory in the model, with safetensors' results: ``(missing, unexpected)``, the
     same strict errors. CPU parameters and buffers are read straight into (no new memory, dtypes
     converted on the way, storages unchanged); a model that loads its state its own way (hooks,
     a custom ``_load_from_state_dict``) goes through ``load_state_dict``. ``storage_options``:
-    for URLs, see :func:`safeload.safe_open`."""
-    direct = _inplace.load_model_into(model, filename, strict, backend=backend, storage_options=storage_options)
+    for URLs, see :func:`safeload.safe_open`. ``verify``: see :func:`safeload._inplace.load_into`
+    (every shard checked before the model is touched)."""
+    direct = _inplace.load_model_into(model, filename, strict, backend=backend, storage_options=storage_options,
+                                      verify=verify, verify_cache=verify_cache)
     if direct is not None:
         missing, unexpected = direct
     else:
-        state_dict = load_checkpoint(filename, device=device, backend=backend, storage_options=storage_options)
+        state_dict = load_checkpoint(filename, device=device, backend=backend, storage_options=storage_options,
+                                     verify=verify, verify_cache=verify_cache)
         model_state_dict = model.state_dict()
         to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
         missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -238,7 +241,7 @@ def load_checkpoint(
 def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **kwargs: Any) -> Any:
     """Reads each named tensor of a checkpoint straight into the given tensor, in place
     (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache,
-    storage_options.
+    storage_options, verify, verify_cache.
     Returns the read's stats. See :mod:`safeload._inplace`."""
     return _inplace.load_into(tensors, path_or_paths, **kwargs)
 

@@ -13,8 +13,8 @@ use super::FsKind;
 use super::Uncached;
 
 pub use super::unix::{
-    cached_fraction, file_len, fork_generation, open_read, page_size, read_at, read_vectored_at,
-    special_kind, unmap_anonymous,
+    cached_fraction, file_identity, file_len, fork_generation, open_read, page_size, read_at,
+    read_vectored_at, special_kind, unmap_anonymous,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;

@@ -11,6 +11,7 @@
 //! | page-cache residency | `mincore` | `mincore` | unknown |
 //! | available memory | `/proc/meminfo` | `host_statistics64` | `GlobalMemoryStatusEx` |
 //! | destination memory | `mmap`, 2 MiB aligned, THP advice | `mmap` | `VirtualAlloc` |
+//! | file identity | `fstat`: dev, ino, size, mtime, ctime | `fstat` | volume serial, file index, `LastWriteTime`, `ChangeTime` |
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
@@ -57,6 +58,28 @@ pub struct Uncached {
     pub file: File,
     /// Offsets, lengths and addresses of reads must be multiples of this (1: no rule).
     pub align: u64,
+}
+
+/// Which file an open handle is and when it last changed, as the OS tells it from the handle
+/// (never a second lookup of a path): what [`crate::record`] trusts a file's bytes by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdentity {
+    /// The filesystem holding the file: Unix `st_dev`, Windows the volume serial number.
+    pub device: u64,
+    /// The file on that filesystem: Unix `st_ino`, Windows the 64-bit file index.
+    pub inode: u64,
+    pub size: u64,
+    /// Last write of the bytes, in ns since the Unix epoch; whoever may write the file can set it.
+    pub mtime_ns: i128,
+    /// Last change of the bytes or the attributes (Unix `st_ctime`, Windows `ChangeTime`), in ns
+    /// since the Unix epoch. Unix sets it from the kernel's clock only; Windows lets whoever may
+    /// write the file's attributes set it.
+    pub ctime_ns: i128,
+}
+
+/// The identity of the file open as `file`.
+pub fn file_identity(file: &File) -> io::Result<FileIdentity> {
+    os::file_identity(file)
 }
 
 /// Whether several threads reading one handle at once run in parallel. Windows serialises

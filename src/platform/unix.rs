@@ -105,6 +105,20 @@ pub fn file_len(file: &File) -> io::Result<u64> {
     }
 }
 
+/// `fstat`'s device, inode, size, mtime and ctime.
+pub fn file_identity(file: &File) -> io::Result<super::FileIdentity> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    let ns = |secs: i64, nanos: i64| i128::from(secs) * 1_000_000_000 + i128::from(nanos);
+    Ok(super::FileIdentity {
+        device: meta.dev(),
+        inode: meta.ino(),
+        size: meta.size(),
+        mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
+        ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+    })
+}
+
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

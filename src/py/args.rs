@@ -47,10 +47,31 @@ pub(super) enum CheckpointArg {
     Files(Vec<std::path::PathBuf>),
 }
 
-/// `verify=` as Python passes it: None or False (off), True (the digests the source knows, a
-/// file with none an error), a `{name: digest}` mapping, or a manifest's path (`str` or
-/// `os.PathLike`). Anything else is refused.
-pub(super) struct VerifyArg(pub Option<crate::verify::Pin>);
+/// `verify=` as Python passes it: False (off), True (the digests the source knows, a file with
+/// none an error), a `{name: digest}` mapping, or a manifest's path (`str` or `os.PathLike`);
+/// None (not given) leaves it to `SAFELOAD_VERIFY` ([`VerifyArg::pin`]). Anything else is
+/// refused.
+pub(super) struct VerifyArg(Option<crate::verify::Pin>);
+
+impl VerifyArg {
+    /// What `verify` asks for (not given: what `SAFELOAD_VERIFY` asks for), and the backend to
+    /// open with: `backend` as given, but where `SAFELOAD_VERIFY` turns verification on for a
+    /// caller that asked for "mmap" (transformers passes it to every `safe_open`), "auto": a
+    /// verified file is read, never mapped, and the variable is the user's word over the
+    /// library's. The same two given by one caller are refused at open.
+    pub(super) fn pin(
+        verify: Option<VerifyArg>,
+        backend: Backend,
+    ) -> PyResult<(Option<crate::verify::Pin>, Backend)> {
+        match verify {
+            Some(v) => Ok((v.0, backend)),
+            None => match crate::verify::Pin::from_env()? {
+                Some(pin) if backend == Backend::Mmap => Ok((Some(pin), Backend::Auto)),
+                pin => Ok((pin, backend)),
+            },
+        }
+    }
+}
 
 impl<'py> FromPyObject<'_, 'py> for VerifyArg {
     type Error = PyErr;
@@ -83,6 +104,26 @@ impl<'py> FromPyObject<'_, 'py> for VerifyArg {
             ob.get_type().name()?
         ))
         .into())
+    }
+}
+
+/// The verified record a pinned open uses: `verify_cache` (a directory) when given, else
+/// `$SAFELOAD_VERIFY_CACHE`; none without a pin (`verify_cache=` alone is refused: there is
+/// nothing to remember).
+pub(super) fn verify_record(
+    verify_cache: Option<std::path::PathBuf>,
+    pin: Option<&crate::verify::Pin>,
+) -> PyResult<Option<crate::record::Record>> {
+    match (verify_cache, pin) {
+        (Some(_), None) => Err(Error::Argument(
+            "verify_cache= remembers files that hashed right under verify= (or SAFELOAD_VERIFY); \
+             without either there is nothing to remember"
+                .into(),
+        )
+        .into()),
+        (Some(dir), Some(_)) => Ok(Some(crate::record::Record::open(&dir)?)),
+        (None, Some(_)) => Ok(crate::record::Record::from_env()?),
+        (None, None) => Ok(None),
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 
-use super::args::{BackendArg, CheckpointArg, VerifyArg, options, parse_dtype};
+use super::args::{BackendArg, CheckpointArg, VerifyArg, options, parse_dtype, verify_record};
 use super::bytes::{Bytes, Importer, TensorTuple};
 use super::dlpack::Destinations;
 use super::errors::detached;
@@ -62,7 +62,7 @@ impl Checkpoint {
     /// `verify`: pins every shard to a SHA-256 (a `{name: digest}` mapping, a manifest's path, or
     /// True for the digests the source knows): resolved at open, checked by `read` before it
     /// returns (see `crate::verify`); implies `hash`.
-    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false, verify=None))]
+    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false, verify=None, verify_cache=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, converted once
     fn new(
         py: Python<'_>,
@@ -74,47 +74,38 @@ impl Checkpoint {
         storage_options: Option<StorageOptions>,
         hash: bool,
         verify: Option<VerifyArg>,
+        verify_cache: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let backend = BackendArg::or_default(backend)?;
-        let pin = verify.and_then(|v| v.0);
+        let (pin, backend) = VerifyArg::pin(verify, BackendArg::or_default(backend)?)?;
+        let record = verify_record(verify_cache, pin.as_ref())?;
         let opts = crate::source::ReadOptions {
-            hash: hash || pin.is_some(),
+            hash,
             ..options(threads, chunk_bytes, drop_cache)
         };
         let store = storage_options.unwrap_or_default().0;
         let inner = detached(py, |_| {
-            let (mut ckpt, root) = match &path_or_paths {
+            let (files, root) = match &path_or_paths {
                 CheckpointArg::At(at) => {
                     // Resolved once: the files to open, and the folder their names are in.
                     let files = checkpoint::Checkpoint::files_at(at, &store)?;
                     let root = checkpoint::Checkpoint::root_of(at, &files);
-                    (
-                        checkpoint::Checkpoint::open_with(&files, backend, opts, &store)?,
-                        root,
-                    )
+                    (files, root)
                 }
-                CheckpointArg::Files(paths) => (
-                    checkpoint::Checkpoint::open_with(paths, backend, opts, &store)?,
-                    None,
-                ),
+                CheckpointArg::Files(paths) => (paths.clone(), None),
             };
-            if let Some(pin) = &pin {
-                ckpt.expect(pin, root.as_deref())?;
-            }
-            Ok(ckpt)
+            let (root, pin) = (root.as_deref(), pin.as_ref());
+            checkpoint::Checkpoint::open_pinned(&files, root, backend, opts, &store, pin, record)
         })?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),
         })
     }
 
-    /// `(path, where its digest came from)` of each shard pinned by `verify=` (URLs without
-    /// their secrets), in order: what a read that returned tensors checked.
-    fn pinned(&self) -> PyResult<Vec<(PathBuf, String)>> {
-        let ckpt = self.get()?;
-        Ok((ckpt.pinned().into_iter())
-            .map(|(path, from)| (super::shown(path), from.to_string()))
-            .collect())
+    /// `(path, where its digest came from)` of each shard when `verify=` pinned the checkpoint
+    /// (None: no digest is known and it loads unverified, under `SAFELOAD_VERIFY=1`), URLs
+    /// without their secrets, in order; empty when not pinned.
+    fn pinned(&self) -> PyResult<Vec<(PathBuf, Option<String>)>> {
+        Ok(super::pinned(&*self.get()?))
     }
 
     /// The backend reads will use ("mmap", "pread" or "direct"; "auto" resolved).

@@ -7,7 +7,10 @@ use crate::checkpoint::ReadStats;
 
 /// What reads did: `backend` ("pread", "direct", "mmap"), `threads` (the most workers a read
 /// used), `chunk_bytes` (the request size), `bytes_read`, `seconds` (time spent reading),
-/// `storage` (the filesystem kind: "local", "fuse", "nfs" ...). `a + b`: totals of both.
+/// `storage` (the filesystem kind: "local", "fuse", "nfs" ...); `verified_files` and
+/// `verified_bytes` (files whose SHA-256 matched under `verify=`), `recorded_files` (files the
+/// verified record vouched for, not hashed), `unverified_files` (files
+/// loaded with no digest known, under `SAFELOAD_VERIFY=1`). `a + b`: totals of both.
 #[pyclass(frozen, eq, get_all, name = "Stats", module = "safeload._safeload")]
 #[derive(Clone, Debug, PartialEq)]
 pub struct Stats {
@@ -17,6 +20,10 @@ pub struct Stats {
     bytes_read: u64,
     seconds: f64,
     storage: String,
+    verified_files: usize,
+    verified_bytes: u64,
+    recorded_files: usize,
+    unverified_files: usize,
 }
 
 impl From<ReadStats> for Stats {
@@ -28,6 +35,10 @@ impl From<ReadStats> for Stats {
             bytes_read: s.bytes,
             seconds: s.seconds,
             storage: s.storage.to_string(),
+            verified_files: s.verified.files,
+            verified_bytes: s.verified.bytes,
+            recorded_files: s.verified.recorded,
+            unverified_files: s.verified.unverified,
         }
     }
 }
@@ -35,7 +46,8 @@ impl From<ReadStats> for Stats {
 #[pymethods]
 impl Stats {
     #[new]
-    #[pyo3(signature = (backend, threads=0, chunk_bytes=0, bytes_read=0, seconds=0.0, storage=String::new()))]
+    #[pyo3(signature = (backend, threads=0, chunk_bytes=0, bytes_read=0, seconds=0.0, storage=String::new(), verified_files=0, verified_bytes=0, recorded_files=0, unverified_files=0))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per field
     fn new(
         backend: String,
         threads: usize,
@@ -43,6 +55,10 @@ impl Stats {
         bytes_read: u64,
         seconds: f64,
         storage: String,
+        verified_files: usize,
+        verified_bytes: u64,
+        recorded_files: usize,
+        unverified_files: usize,
     ) -> Self {
         Stats {
             backend,
@@ -51,6 +67,10 @@ impl Stats {
             bytes_read,
             seconds,
             storage,
+            verified_files,
+            verified_bytes,
+            recorded_files,
+            unverified_files,
         }
     }
 
@@ -78,18 +98,27 @@ impl Stats {
             bytes_read: self.bytes_read + other.bytes_read,
             seconds: self.seconds + other.seconds,
             storage: latest.storage.clone(),
+            verified_files: self.verified_files + other.verified_files,
+            verified_bytes: self.verified_bytes + other.verified_bytes,
+            recorded_files: self.recorded_files + other.recorded_files,
+            unverified_files: self.unverified_files + other.unverified_files,
         }
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "Stats(backend='{}', threads={}, chunk_bytes={}, bytes_read={}, seconds={:?}, storage='{}')",
+            "Stats(backend='{}', threads={}, chunk_bytes={}, bytes_read={}, seconds={:?}, storage='{}', \
+             verified_files={}, verified_bytes={}, recorded_files={}, unverified_files={})",
             self.backend,
             self.threads,
             self.chunk_bytes,
             self.bytes_read,
             self.seconds,
-            self.storage
+            self.storage,
+            self.verified_files,
+            self.verified_bytes,
+            self.recorded_files,
+            self.unverified_files
         )
     }
 }

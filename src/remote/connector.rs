@@ -266,7 +266,9 @@ impl Hyper {
     /// Sends `req`, and follows the redirects of a GET or HEAD as HTTP clients do: at most
     /// [`MAX_REDIRECTS`], to http(s) only, never from https to http unless `allow_http`, and
     /// without the credentials (`Authorization`, cookies) when the host changes. Range and
-    /// If-Match go on, so the data comes from where the redirects end.
+    /// If-Match go on, so the data comes from where the redirects end. The answers of the host
+    /// `req` went to, until a redirect leaves it, are shown to [`super::reported`] (the Hub
+    /// reports a file's SHA-256 on its redirect to the storage).
     async fn follow(
         &self,
         req: HttpRequest,
@@ -276,6 +278,7 @@ impl Hyper {
         let method = req.method().clone();
         let (mut headers, mut uri) = (req.headers().clone(), req.uri().clone());
         let mut next = Some(req);
+        let mut at_origin = true;
         for hop in 0..=MAX_REDIRECTS {
             let mut request = next.take().expect("set for every hop");
             if let Some(value) = self.proxies.authorization(&uri) {
@@ -304,6 +307,10 @@ impl Hyper {
                     let what = if tls { "TLS failed" } else { "request failed" };
                     HttpError::new(kind, Message(format!("{at}: {what}: {causes}")))
                 })?;
+            let status = response.status();
+            if at_origin && (status.is_success() || status.is_redirection()) {
+                super::reported::note_hub_answer(response.headers());
+            }
             let location = response.headers().get(http::header::LOCATION);
             let (true, true, Some(location)) =
                 (follows, response.status().is_redirection(), location)
@@ -340,6 +347,7 @@ impl Hyper {
             let same_host = target.host_str() == uri.host()
                 && target.port_or_known_default()
                     == Some(uri.port_u16().unwrap_or(port(uri.scheme_str())));
+            at_origin &= same_host;
             if !same_host {
                 headers.remove(http::header::AUTHORIZATION);
                 headers.remove(http::header::PROXY_AUTHORIZATION);

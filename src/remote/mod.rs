@@ -3,7 +3,8 @@
 //!
 //! Here: which paths are URLs (always built, so a build without the `remote` feature can say so);
 //! the stores and their runtime in `store` (AWS's shared profile files: `profile`), their HTTP client in `connector` (its proxies: `proxy`; its TLS: `tls`), one object's reads (retries, resumes) in `object`,
-//! checkpoints named by URL (index.json, "directory" listings) in `listing`.
+//! checkpoints named by URL (index.json, "directory" listings) in `listing`, the SHA-256 a store
+//! reports of an object it opens (the Hub's) in `reported`.
 
 use std::path::Path;
 
@@ -17,6 +18,8 @@ mod object;
 mod profile;
 #[cfg(feature = "remote")]
 mod proxy;
+#[cfg(feature = "remote")]
+mod reported;
 #[cfg(feature = "remote")]
 mod store;
 #[cfg(feature = "remote")]

@@ -1,4 +1,5 @@
-//! One object in a store: its size and a prefix from one ranged GET at open, then ranged GETs
+//! One object in a store: its size, a prefix and the SHA-256 the store reports of it (the Hub's
+//! of a file of a repository: `reported`) from one ranged GET at open, then ranged GETs
 //! straight into the caller's memory, retried from the byte where a failed or stalled response
 //! stopped. Every call blocks on the crate's runtime (the engine's workers are plain threads) in
 //! [`wait`], which ends it when the caller stops the read or presses Ctrl-C.
@@ -14,6 +15,7 @@ use futures_util::future::Either;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
+use super::reported::{self, ReportedDigest};
 use super::{Options, store};
 use crate::shards::INDEX_BYTES;
 
@@ -33,6 +35,8 @@ pub struct Object {
     /// The version opened (its strong ETag, and the store's version id where it has one): every
     /// later GET asks for it, so a load reads one version or fails.
     version: Version,
+    /// The SHA-256 the store reported in its answer to the opening GET.
+    reported: Option<ReportedDigest>,
 }
 
 /// Which version of an object a read asks for.
@@ -76,38 +80,49 @@ impl std::fmt::Debug for Object {
 pub type Partial = (usize, io::Error);
 
 impl Object {
-    /// Opens `url`: one GET of its first bytes gives the object's size and its start.
+    /// Opens `url`: one GET of its first bytes gives the object's size, its start and, for a
+    /// file of a Hub repository, the SHA-256 the Hub reports of it.
     pub fn open(url: &str, options: &Options) -> io::Result<(Object, Vec<u8>)> {
         let (store, location) = store::locate(url, options)?;
         let get = GetOptions {
             range: Some(GetRange::Bounded(0..PROBE_BYTES)),
             ..GetOptions::default()
         };
+        let hub = store::names_hub_file(url);
         let result = wait(None, async {
-            let got = store
-                .get_opts(&location, get)
-                .await
-                .map_err(|e| to_io(url, e))?;
+            let request = store.get_opts(&location, get);
+            let (got, reported) = match hub {
+                true => reported::from_hub(request).await,
+                false => (request.await, None),
+            };
+            let got = got.map_err(|e| to_io(url, e))?;
             let (size, version) = (got.meta.size, Version::of(&got.meta));
             let prefix = collect(got.into_stream(), url, PROBE_BYTES as usize, || {
                 range_error(url, "more bytes than the range asked for")
             })
             .await?;
-            Ok::<_, io::Error>((size, version, prefix))
+            Ok::<_, io::Error>((size, version, reported, prefix))
         })?;
-        let (size, version, prefix) = result;
+        let (size, version, reported, prefix) = result;
         let object = Object {
             store,
             location,
             url: url.to_string(),
             size,
             version,
+            reported,
         };
         Ok((object, prefix))
     }
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The SHA-256 the store reported of the object when it was opened; None where it reported
+    /// none (every store but the Hub, a Hub file kept in git rather than LFS or Xet).
+    pub fn reported_digest(&self) -> Option<ReportedDigest> {
+        self.reported
     }
 
     /// Fills `buf` from `offset` (short only at the object's end); for headers and slice rows.

@@ -157,8 +157,7 @@ impl Hub {
             )));
         }
         let path = super::percent_decoded(written).unwrap_or_else(|| written.to_string());
-        let endpoint =
-            std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+        let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| HUB_ENDPOINT.into());
         Ok(Some(Hub {
             endpoint: endpoint.trim_end_matches('/').to_string(),
             kind,
@@ -202,6 +201,48 @@ impl Hub {
     pub fn authorization(&self) -> Option<String> {
         hub_token().map(|t| format!("Bearer {t}"))
     }
+}
+
+/// The Hub huggingface_hub talks to unless `HF_ENDPOINT` names another.
+const HUB_ENDPOINT: &str = "https://huggingface.co";
+
+/// Whether `url` names a file of a Hub repository, whose answer reports the file's SHA-256
+/// (`reported`): an `hf://` URL of a file, or a `resolve` URL
+/// (`[datasets/|spaces/]ORG/REPO/resolve/REVISION/PATH`) under `HF_ENDPOINT` or under
+/// https://huggingface.co. Any other server's headers are not taken as a Hub's.
+pub fn names_hub_file(url: &str) -> bool {
+    if let Ok(Some(hub)) = Hub::parse(url) {
+        return !hub.path.is_empty();
+    }
+    let endpoint = std::env::var("HF_ENDPOINT").ok();
+    [endpoint.as_deref(), Some(HUB_ENDPOINT)]
+        .into_iter()
+        .flatten()
+        .any(|endpoint| resolve_url_under(url, endpoint))
+}
+
+/// Whether `url` is a `resolve` URL of a file under the Hub at `endpoint` (same scheme, host and
+/// port; under its path).
+fn resolve_url_under(url: &str, endpoint: &str) -> bool {
+    let (Ok(url), Ok(endpoint)) = (Url::parse(url), Url::parse(endpoint)) else {
+        return false;
+    };
+    let rest = (url.origin() == endpoint.origin())
+        .then(|| {
+            url.path()
+                .strip_prefix(endpoint.path().trim_end_matches('/'))
+        })
+        .flatten()
+        .and_then(|rest| rest.strip_prefix('/'));
+    let Some(rest) = rest else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    let kind = usize::from(matches!(parts[0], "datasets" | "spaces"));
+    // ORG, REPO, "resolve", REVISION and at least one part of the file's path, none empty.
+    parts.len() >= kind + 5
+        && parts[kind + 2] == "resolve"
+        && parts[kind..].iter().all(|p| !p.is_empty())
 }
 
 /// Why `ORG/REPO` is not a repository id huggingface_hub's `validate_repo_id` accepts: each part
@@ -458,6 +499,70 @@ mod tests {
         assert_eq!(path.as_ref(), "m/x.safetensors");
         let (store, _) = locate("s3://b/m/x.safetensors", &[]).unwrap();
         assert!(format!("{store}").contains("AmazonS3"), "{store}");
+    }
+
+    #[test]
+    fn files_of_a_hub_are_its_resolve_urls_under_its_endpoint() {
+        let check = |endpoint: &str, want: bool, urls: &[&str]| {
+            for url in urls {
+                assert_eq!(
+                    resolve_url_under(url, endpoint),
+                    want,
+                    "{url} under {endpoint}"
+                );
+            }
+        };
+        let (hub, mirror) = ("https://huggingface.co", "https://mirror.example/hf/");
+        check(
+            hub,
+            true,
+            &[
+                "https://huggingface.co/acme/tiny/resolve/main/model.safetensors",
+                "https://HuggingFace.co:443/acme/tiny/resolve/main/m.safetensors",
+                "https://huggingface.co/acme/tiny/resolve/refs%2Fpr%2F1/unet/m.safetensors?x=1",
+                "https://huggingface.co/datasets/acme/data/resolve/v1/d.safetensors",
+                "https://huggingface.co/spaces/acme/demo/resolve/main/m.safetensors",
+            ],
+        );
+        check(
+            mirror,
+            true,
+            &["https://mirror.example/hf/acme/tiny/resolve/main/m.safetensors"],
+        );
+        check(
+            "http://127.0.0.1:8080",
+            true,
+            &["http://127.0.0.1:8080/acme/tiny/resolve/main/m.safetensors"],
+        );
+        // Another host, scheme, port or path; not a file's resolve URL.
+        check(
+            hub,
+            false,
+            &[
+                "https://evil.example/acme/tiny/resolve/main/m.safetensors",
+                "http://huggingface.co/acme/tiny/resolve/main/m.safetensors",
+                "https://huggingface.co:8443/acme/tiny/resolve/main/m.safetensors",
+                "s3://huggingface.co/acme/tiny/resolve/main/m.safetensors",
+                "https://huggingface.co/acme/tiny/blob/main/m.safetensors",
+                "https://huggingface.co/acme/tiny/resolve/main/",
+                "https://huggingface.co/acme/tiny/resolve/main",
+                "https://huggingface.co/datasets/acme/resolve/main/x",
+                "https://huggingface.co/api/models/acme/tiny/tree/main/x",
+            ],
+        );
+        check(
+            mirror,
+            false,
+            &[
+                "https://mirror.example/acme/tiny/resolve/main/m.safetensors",
+                "https://mirror.example/hfx/acme/tiny/resolve/main/m.safetensors",
+            ],
+        );
+        assert!(names_hub_file("hf://acme/tiny@v1/unet/m.safetensors"));
+        assert!(!names_hub_file("hf://acme/tiny"));
+        assert!(!names_hub_file(
+            "s3://b/acme/tiny/resolve/main/m.safetensors"
+        ));
     }
 
     #[test]

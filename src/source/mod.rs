@@ -27,7 +27,7 @@ mod tensors;
 
 pub use digests::hash_files;
 pub(crate) use ranges::read_data_ranges;
-pub(crate) use tensors::{Target, Tensors, read_or_map, read_targets};
+pub(crate) use tensors::{Target, Tensors, check_fits, read_or_map, read_targets};
 
 /// Tuning of a read.
 #[derive(Debug, Clone, Copy, Default)]
@@ -135,6 +135,11 @@ impl Source {
     pub fn start_hash(&self) {
         let hash = FileHash::start(&self.head, self.file_len);
         *self.hash.lock().unwrap_or_else(|p| p.into_inner()) = Some(hash);
+    }
+
+    /// Stops the file's SHA-256: reads no longer feed it.
+    pub fn stop_hash(&self) {
+        *self.hash.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// The file's SHA-256, when its reads since [`Source::start_hash`] covered every byte; else

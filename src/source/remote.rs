@@ -1,6 +1,6 @@
 //! Sources that are objects in a store (`crate::remote`): opened with one ranged GET of the
 //! object's start (a second when the header is longer), read by the engine's workers with ranged
-//! GETs; the read settings they get by default.
+//! GETs; the read settings they get by default; the SHA-256 the store reported at open.
 
 use std::path::Path;
 
@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::header;
 #[cfg(feature = "remote")]
 use crate::platform::FsKind;
+use crate::verify::Expected;
 
 /// Workers for objects in a store: requests in flight, each waiting on a round trip.
 pub const THREADS: usize = 32;
@@ -52,6 +53,21 @@ impl Source {
     #[cfg(not(feature = "remote"))]
     pub(super) fn open_remote(path: &Path, _: &crate::remote::Options) -> Result<Source> {
         Err(crate::remote::unavailable(path))
+    }
+
+    /// The SHA-256 the file's store reported when it was opened, and which of its headers said
+    /// it (`hf://` and Hub `resolve` URLs: the Hub's `X-Linked-Etag` of an LFS or Xet file);
+    /// taken from the opening request's answer, never asked for again. None for a local file,
+    /// for stores that report none, and for a Hub file kept in git (its ETag is a git blob id).
+    pub fn reported_digest(&self) -> Option<Expected> {
+        #[cfg(feature = "remote")]
+        if let Backing::Remote(object) = &self.backing {
+            return object.reported_digest().map(|reported| Expected {
+                digest: reported.digest,
+                from: reported.from.to_string(),
+            });
+        }
+        None
     }
 }
 

@@ -37,6 +37,23 @@ pub fn bytes_as(info: &TensorInfo, dtype: Dtype) -> Option<usize> {
     crate::convert::converted_len(info.dtype, dtype, info.nbytes()).ok()
 }
 
+/// `Ok` when every target's destination holds exactly its tensor as its dtype; else an error
+/// naming the first that does not, before anything is read.
+pub fn check_fits(sources: &[&Source], targets: &[Target<'_, '_>]) -> Result<()> {
+    match targets.iter().find(|t| !t.fits()) {
+        None => Ok(()),
+        Some(t) => Err(Error::Destination(format!(
+            "cannot read tensor {} ({:?}, {} bytes) of {} into {} bytes of {:?}",
+            t.info.name,
+            t.info.dtype,
+            t.info.nbytes(),
+            sources[t.source].path.display(),
+            t.dest.len(),
+            t.dtype
+        ))),
+    }
+}
+
 /// Reads every target with one worker pool, in (source, offset) order, with `strategy` (Pread
 /// or Direct), converting where a target's dtype differs from the file's.
 pub fn read_targets(
@@ -46,20 +63,8 @@ pub fn read_targets(
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
+    check_fits(sources, &targets)?;
     let mut targets = targets;
-    for t in &targets {
-        if !t.fits() {
-            return Err(Error::Destination(format!(
-                "cannot read tensor {} ({:?}, {} bytes) of {} into {} bytes of {:?}",
-                t.info.name,
-                t.info.dtype,
-                t.info.nbytes(),
-                sources[t.source].path.display(),
-                t.dest.len(),
-                t.dtype
-            )));
-        }
-    }
     targets.sort_by_key(|t| (t.source, t.info.begin));
     let mut plan = Plan::new(chunk_bytes(sources, opts));
     for t in targets {

@@ -23,11 +23,18 @@ deterministic:
   presigned URL's signature, a token);
 - ``busy``: the next this many requests are answered 503 with ``Retry-After: busy_for`` seconds;
 - ``redirect_to``: every request is answered 302 to this prefix + its path and query (``"self"``:
-  to this server's own URL, a loop), as the Hub's ``resolve`` answers with its storage's URL.
+  to this server's own URL, a loop), as the Hub's ``resolve`` answers with its storage's URL;
+- ``wrong_linked_etag``: the ``X-Linked-Etag`` of every ``resolve`` answer (below) is the SHA-256
+  of other bytes (a Hub that names another file than its storage serves).
 
 The Hub API's folder listing is answered too: ``GET /api/{models|datasets|spaces}/ORG/REPO/tree/
 REVISION/PATH`` lists ``[datasets/|spaces/]ORG/REPO/resolve/REVISION/PATH`` under the root (where
 the ``resolve`` URLs find their files) as the Hub does, a JSON array of ``{"type", "path", "size"}``.
+
+Answers to a ``resolve`` URL (``/[datasets/|spaces/]ORG/REPO/resolve/REVISION/PATH``: the
+redirect, or the file itself) carry what the Hub reports of the file: a ``.safetensors`` file is
+stored as the Hub stores large files (LFS, Xet), with ``X-Linked-Etag: "<its SHA-256>"`` and
+``X-Linked-Size``; the redirect's ``ETag`` is the file's git blob id (40 hex digits, no SHA-256).
 
 Each file's ETag changes when it is rewritten; a request whose ``If-Match`` names another ETag is
 answered 412, as object stores answer it.
@@ -50,7 +57,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 Record = Tuple[str, str, Optional[Tuple[int, int]], int, int]
 
@@ -78,7 +85,9 @@ class RangeServer(ThreadingHTTPServer):
         self.error_body = 0
         self.require_query: Optional[str] = None
         self.redirect_to: Optional[str] = None
+        self.wrong_linked_etag = False
         self.busy, self.busy_for = 0, 1
+        self._digests: Dict[Tuple[str, int, int], Tuple[str, str]] = {}  # file -> (sha256, git blob id)
         self.started: List[float] = []  # time.monotonic() as each request came in
         self.handshakes: Optional[int] = None  # TLS handshakes begun, once tls() was called
         self.released = threading.Event()  # set to let stalled responses go
@@ -126,7 +135,7 @@ class RangeServer(ThreadingHTTPServer):
             self.latency, self.fail_nth, self.fail_every, self.fail_mode = 0.0, None, None, "midway"
             self.truncate, self.status, self.ignore_range = False, None, False
             self.stall_after, self.overlong, self.error_body, self.require_query = None, 0, 0, None
-            self.shift = 0
+            self.shift, self.wrong_linked_etag = 0, False
             self.redirect_to, self.busy, self.busy_for = None, 0, 1
             self.requests, self.gets, self.authorizations, self.started = [], 0, [], []
             self.released.set()
@@ -134,6 +143,25 @@ class RangeServer(ThreadingHTTPServer):
 
     def data_bytes_served(self, path: str) -> int:
         return sum(sent for method, p, _, _, sent in self.requests if method == "GET" and p == path)
+
+    def hub_headers(self, url_path: str, path: str) -> Dict[str, str]:
+        """What the Hub's answer to ``url_path`` says of the file it serves there (``path``), if
+        it is a ``resolve`` URL of a file (see the module's docstring); else nothing."""
+        if _RESOLVE.fullmatch(url_path) is None or not os.path.isfile(path):
+            return {}
+        stat = os.stat(path)
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        if key not in self._digests:
+            with open(path, "rb") as f:
+                data = f.read()
+            git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            self._digests[key] = (hashlib.sha256(data).hexdigest(), git)
+        sha, git = self._digests[key]
+        if not path.endswith(".safetensors"):
+            return {"ETag": f'"{git}"'}
+        if self.wrong_linked_etag:
+            sha = hashlib.sha256(sha.encode()).hexdigest()
+        return {"ETag": f'"{git}"', "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": str(stat.st_size)}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -183,9 +211,10 @@ class _Handler(BaseHTTPRequestHandler):
                             self.path.split("?")[0])
         if tree is not None:
             return self._reply_tree(method, wanted, *tree.groups())
+        hub = srv.hub_headers(self.path.split("?")[0], path)
         if redirect_to is not None:
             target = (srv.url if redirect_to == "self" else redirect_to) + self.path
-            return self._answer(method, wanted, 302, b"", {"Location": target})
+            return self._answer(method, wanted, 302, b"", {**hub, "Location": target})
         if require_query is not None and self.path.partition("?")[2] != require_query:
             return self._answer(method, wanted, 403, b"signature does not match")
         if not os.path.isfile(path):
@@ -212,6 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length + extra))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
+        for k, v in hub.items():
+            if k != "ETag":  # the file's own ETag, which If-Match names
+                self.send_header(k, v)
         self.send_header("Content-Type", "application/octet-stream")
         send = 0 if head else length // 2 if (truncate or fail) else length
         if stall_after is not None:
@@ -289,6 +321,10 @@ class _Handler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.requests.append((method, self.path, wanted, code, sent))
             self.server.authorizations.append(self.headers.get("Authorization"))
+
+
+# A file's resolve URL under the Hub: [datasets/|spaces/]ORG/REPO/resolve/REVISION/PATH.
+_RESOLVE = re.compile(r"/(?:(?:datasets|spaces)/)?[^/]+/[^/]+/resolve/[^/]+/.+")
 
 
 def _parse_range(value: Optional[str]) -> Optional[Tuple[int, int]]:

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{BackendArg, options, parse_dtype};
+use super::args::{BackendArg, VerifyArg, options, parse_dtype, verify_record};
 use super::bytes::{Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
@@ -44,7 +44,9 @@ pub struct Handle {
 
 impl Handle {
     /// A handle on shard `shard` of `ckpt`, sharing its strategy and totals.
+    /// A pinned shard (`verify=`) never reads ahead: its tensors come from its hashed bytes.
     pub(crate) fn of_shard(ckpt: Arc<Checkpoint>, shard: usize, readahead: bool) -> Handle {
+        let readahead = readahead && !ckpt.pinned_shard(shard);
         Handle {
             open: RwLock::new(Some(ckpt)),
             shard,
@@ -100,7 +102,9 @@ impl Handle {
     /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
     /// whole-tensor reads then never read ahead.
     #[new]
-    #[pyo3(signature = (path, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None))]
+    /// `verify`: the file's SHA-256 pinned (see `Checkpoint`'s): the file is read whole and
+    /// hashed now, and every tensor is served from those bytes; a mismatch raises here.
+    #[pyo3(signature = (path, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None, verify=None, verify_cache=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
     fn new(
         py: Python<'_>,
@@ -111,14 +115,33 @@ impl Handle {
         drop_cache: bool,
         readahead: bool,
         storage_options: Option<super::remote::StorageOptions>,
+        verify: Option<VerifyArg>,
+        verify_cache: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let backend = BackendArg::or_default(backend)?;
+        let (pin, backend) = VerifyArg::pin(verify, BackendArg::or_default(backend)?)?;
+        let record = verify_record(verify_cache, pin.as_ref())?;
         let store = storage_options.unwrap_or_default().0;
         let opts = options(threads, chunk_bytes, drop_cache);
-        let ckpt = detached(py, |_| {
-            Checkpoint::open_with(&[path], backend, opts, &store)
+        let ckpt = detached(py, |poll| {
+            let ckpt = Checkpoint::open_pinned(
+                &[path],
+                None,
+                backend,
+                opts,
+                &store,
+                pin.as_ref(),
+                record,
+            )?;
+            ckpt.hold_all(poll)?;
+            Ok(ckpt)
         })?;
         Ok(Handle::of_shard(Arc::new(ckpt), 0, readahead))
+    }
+
+    /// `(path, where its digest came from)` when `verify=` pinned the file (None: no digest is
+    /// known and it loads unverified, under `SAFELOAD_VERIFY=1`); empty when not pinned.
+    fn pinned(&self) -> PyResult<Vec<(PathBuf, Option<String>)>> {
+        Ok(super::pinned(&*self.ckpt()?))
     }
 
     /// The backend reading this file: "mmap", "pread" or "direct": what the latest read that
@@ -253,6 +276,14 @@ impl Handle {
         makers: MakersArg,
     ) -> PyResult<Prefetch> {
         let ckpt = self.ckpt()?;
+        if ckpt.pinned_shard(self.shard) {
+            return Err(Error::Argument(
+                "verify=: prefetch reads the file in the background, and a verified handle serves \
+                 its tensors only from the bytes it hashed at open: use get_tensor / get_slice"
+                    .into(),
+            )
+            .into());
+        }
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
         let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
         self.start_prefetch(py, &ckpt, plan, threads, budget, makers.into())

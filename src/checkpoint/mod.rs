@@ -18,7 +18,9 @@ use crate::header::TensorInfo;
 use crate::slice::SlicePlan;
 use crate::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::strategy::{self, Backend, Purpose, Strategy};
-use crate::verify::{self, Expected, Pin};
+
+mod pinned;
+pub use pinned::Verified;
 
 /// What one read did: the backend that ran, its workers and request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,6 +32,8 @@ pub struct ReadStats {
     pub seconds: f64,
     /// The filesystem kind of the first shard ("local", "fuse", "hf-mount", "nfs" ...).
     pub storage: &'static str,
+    /// What verification (`verify=`) checked so far, across the checkpoint.
+    pub verified: Verified,
 }
 
 /// A tensor of the checkpoint: its shard and its header entry.
@@ -50,8 +54,9 @@ pub struct Checkpoint {
     direct_refused: AtomicBool,
     /// Every read so far, its read-aheads' and prefetches' included.
     totals: Arc<Tally>,
-    /// What each shard must hash to (`verify=`: [`Checkpoint::expect`]); empty when unpinned.
-    expected: Vec<Option<Expected>>,
+    /// What each shard must hash to and the bytes held for them (`verify=`:
+    /// [`Checkpoint::expect`]); empty when unpinned.
+    pins: pinned::Pins,
 }
 
 impl Checkpoint {
@@ -136,7 +141,7 @@ impl Checkpoint {
             resolved: OnceLock::new(),
             direct_refused: AtomicBool::new(false),
             totals: Arc::default(),
-            expected: Vec::new(),
+            pins: pinned::Pins::default(),
         })
     }
 
@@ -278,23 +283,27 @@ impl Checkpoint {
             bytes: report.bytes,
             seconds: report.seconds,
             storage: self.shards.first().map_or("local", |s| s.kind.name()),
+            verified: self.verified(),
         }
     }
 
     /// Reads a selection into new memory (mapped views when the strategy is mmap), converting
     /// F32/F16/BF16 tensors to `dtype` when given (a copy: a map cannot change dtypes). Returns
-    /// the bytes and dtype of each, in the order of `selection`.
+    /// the bytes and dtype of each, in the order of `selection`. Pinned shards are checked
+    /// before anything is returned (see `pinned`).
     pub fn read(
         &self,
         selection: &[Entry<'_>],
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
-        let converts = dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d));
-        let strategy = self.strategy_for(match converts {
-            true => Purpose::Copies,
-            false => Purpose::Views,
-        });
+        let strategy = self.strategy_for(pinned::purpose(selection, dtype));
+        if self.is_pinned() {
+            let mut done = Report::default();
+            let out = self.read_pinned(selection, dtype, poll, &mut done);
+            let stats = self.record(strategy, &done);
+            return Ok((out?, stats));
+        }
         let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
@@ -303,10 +312,7 @@ impl Checkpoint {
             &self.opts,
             poll,
         )?;
-        let stats = self.record(strategy, &report);
-        // Pinned: nothing is returned before every shard's digest matched.
-        self.check_digests()?;
-        Ok((out, stats))
+        Ok((out, self.record(strategy, &report)))
     }
 
     /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and
@@ -316,14 +322,20 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Copies);
+        if self.is_pinned() {
+            let mut done = Report::default();
+            let result = self.read_into_pinned(targets, poll, &mut done);
+            let stats = self.record(strategy, &done);
+            return result.map(|()| stats);
+        }
         let report = source::read_targets(&self.sources(), targets, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
     }
 
     /// The bytes of `plan` (part of tensor `info` of shard `shard`) in new memory: cut out of
-    /// the map where the checkpoint maps, else only the rows it needs read.
+    /// the map where the checkpoint maps (or of a pinned shard's hashed bytes), else only the
+    /// rows it needs read.
     pub fn read_slice(
         &self,
         shard: usize,
@@ -331,9 +343,14 @@ impl Checkpoint {
         plan: &SlicePlan,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, ReadStats)> {
-        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Parts);
         let source = &self.shards[shard];
+        if self.pinned_shard(shard) {
+            let mut done = Report::default();
+            let part = self.slice_pinned(shard, info, plan, poll, &mut done);
+            let stats = self.record(strategy, &done);
+            return Ok((part?, stats));
+        }
         if strategy == Strategy::Mmap {
             let part = crate::slice::cut(plan, &source.map_tensor(info)?)?;
             return Ok((part, self.record(strategy, &Report::default())));
@@ -350,9 +367,14 @@ impl Checkpoint {
         ranges: Vec<(u64, &mut [u8])>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        self.unpinned("this read")?;
         let strategy = self.strategy_for(Purpose::Copies);
         let source = &self.shards[shard];
+        if self.pinned_shard(shard) {
+            let mut done = Report::default();
+            let result = self.ranges_pinned(shard, ranges, poll, &mut done);
+            let stats = self.record(strategy, &done);
+            return result.map(|()| stats);
+        }
         let report = source::read_data_ranges(source, ranges, strategy, &self.opts, poll)?;
         Ok(self.record(strategy, &report))
     }
@@ -367,52 +389,6 @@ impl Checkpoint {
             ));
         }
         self.shards.iter().map(|s| s.finish_hash()).collect()
-    }
-
-    /// Pins every shard to a digest (`verify=`), resolved now, before anything is read
-    /// ([`verify::expectations`]); the checkpoint must hash its reads ([`ReadOptions::hash`]).
-    /// `root`: what names are relative to ([`Checkpoint::root_of`]).
-    pub fn expect(&mut self, pin: &Pin, root: Option<&Path>) -> Result<()> {
-        if !self.opts.hash {
-            return Err(Error::Argument(
-                "verify= needs a checkpoint opened with hash=True".into(),
-            ));
-        }
-        let paths: Vec<PathBuf> = self.shards.iter().map(|s| s.path.clone()).collect();
-        self.expected = verify::expectations(pin, root, &paths)?;
-        Ok(())
-    }
-
-    /// Each pinned shard's path and where its expected digest came from (checked by every read
-    /// that returns tensors), for the log.
-    pub fn pinned(&self) -> Vec<(&Path, &str)> {
-        (self.shards.iter().zip(&self.expected))
-            .filter_map(|(s, e)| Some((s.path.as_path(), e.as_ref()?.from.as_str())))
-            .collect()
-    }
-
-    /// Compares every pinned shard's digest with what its reads hashed; a shard not read whole
-    /// in file order is an error too (its digest is unknown). Nothing to do when unpinned.
-    fn check_digests(&self) -> Result<()> {
-        for (shard, expected) in self.shards.iter().zip(&self.expected) {
-            let actual = shard.finish_hash()?;
-            if let Some(expected) = expected {
-                expected.check(&shard.path, &actual)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `Ok` unless the checkpoint is pinned: `what` returns bytes before the whole of each shard
-    /// is hashed, so it cannot honour `verify=` (refused, never skipped).
-    fn unpinned(&self, what: &str) -> Result<()> {
-        match self.expected.is_empty() {
-            true => Ok(()),
-            false => Err(Error::Argument(format!(
-                "verify= checks whole files read at once (load_file, load_checkpoint); {what} \
-                 cannot be verified before it returns"
-            ))),
-        }
     }
 
     fn sources(&self) -> Vec<&Source> {
