@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -347,6 +348,35 @@ def test_verify_against_a_manifest_and_a_digest(sharded):
     for given in (digest, f"sha256:{digest.upper()}"):
         r = run("verify", "--sha256", given, str(sharded / names[0]))
         assert r.returncode == 0 and SHA_OK.match(r.stdout.strip())["by"] == "--sha256", r.stdout
+
+
+def test_verify_checks_what_the_source_knows_without_a_manifest(tmp_path, sharded):
+    """No --manifest, no --sha256: a file in the Hugging Face cache layout (a snapshot link to
+    blobs/<sha256>) is checked against its blob name, a file with a SHA256SUMS beside it against
+    that; a file with neither is verified as before, with no digest."""
+    name = shard_names(sharded)[0]
+    data = (sharded / name).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    repo = tmp_path / "models--acme--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (repo / "blobs" / digest).write_bytes(data)
+    os.symlink(os.path.join("..", "..", "blobs", digest), snap / name)
+    r = run("verify", str(snap / name))
+    assert r.returncode == 0 and SHA_OK.match(r.stdout.strip())["by"] == "the Hugging Face cache's blob name", r.stdout
+    raw = bytearray(data)
+    raw[-1] ^= 1
+    (repo / "blobs" / digest).write_bytes(bytes(raw))
+    r = run("verify", str(snap / name))
+    assert r.returncode == 1 and "SHA-256 mismatch" in r.stdout, r.stdout
+    _manifest(sharded)
+    r = run("verify", str(sharded / name))
+    assert r.returncode == 0 and SHA_OK.match(r.stdout.strip())["by"] == str(sharded / "SHA256SUMS"), r.stdout
+    plain = tmp_path / name
+    shutil.copy(sharded / name, plain)
+    r = run("verify", str(plain))
+    assert r.returncode == 0 and "sha256" not in r.stdout, r.stdout
 
 
 def _flipped(tmp_path: Path, sharded: Path, where: str, at: int) -> Path:

@@ -36,6 +36,9 @@ read (every byte of the file, header included) and checked. Prints one line per 
 --manifest M takes the digests from M, in the format `sha256sum` writes (`safeload hash`
 writes it too); its names are relative to M's folder. With no FILE, every file M names is
 verified; a FILE that M does not name fails. --sha256 HEX checks the one FILE against HEX.
+With neither, a file whose SHA-256 the source knows is checked against it, as verify=True
+checks: a Hugging Face cache file against its blob name, a Hub URL against the digest the Hub
+reports, a file with a SHA256SUMS beside it against its line there.
 
 Exit status: 0 when every file is OK, 1 when any file fails (or the manifest cannot be read),
 2 on usage errors."""
@@ -231,7 +234,7 @@ def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any =
                  manifest: Optional[str] = None, sha256: Optional[str] = None) -> int:
     """Verifies each file (against ``manifest``'s or ``sha256``'s digest when given), one line per file;
     with a manifest and no paths, every file it names. Returns the exit status."""
-    from ._safeload import SafetensorError, redact
+    from ._safeload import SafetensorError, known_digest, redact
 
     out = out or sys.stdout
     pinned: Dict[str, Tuple[str, Expected]] = {}
@@ -251,6 +254,8 @@ def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any =
                 if entry is None:
                     raise SafetensorError(f"not in the manifest {manifest} (no line names this file)")
                 expected = entry[1]
+            elif expected is None and not os.path.isdir(path):
+                expected = known_digest(path)  # what verify=True would check: None when nothing is known
             line = verify_file(path, threads=threads, expected=expected)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the rest still run
             failed += 1

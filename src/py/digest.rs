@@ -70,6 +70,26 @@ fn parse(digest: &str) -> Result<Digest, Error> {
     digest.parse().map_err(Error::Argument)
 }
 
+/// The SHA-256 the source itself knows for the file at `path` (as `verify=True` finds it: the
+/// Hugging Face cache's blob name, the Hub's reported digest, a `SHA256SUMS` beside it), as
+/// `(hex digest, where it came from)`; None when none is known (`safeload verify` without a
+/// manifest or a digest).
+#[pyfunction]
+#[pyo3(signature = (path, *, storage_options=None))]
+pub(super) fn known_digest(
+    py: Python<'_>,
+    path: PathBuf,
+    storage_options: Option<StorageOptions>,
+) -> PyResult<Option<(String, String)>> {
+    let store = storage_options.unwrap_or_default().0;
+    let known = detached(py, |_| {
+        let reported = crate::source::Source::open_with(&path, &store)?.reported_digest();
+        let lenient = crate::verify::Pin::Known { strict: false };
+        crate::verify::expectations(&lenient, None, std::slice::from_ref(&path), &[reported])
+    })?;
+    Ok((known.into_iter().next().flatten()).map(|e| (e.digest.to_string(), e.from)))
+}
+
 /// The shard files of the checkpoint at `at` (a file, a directory, an index.json, a URL or a
 /// prefix), in order, as `Checkpoint(at)` opens them.
 #[pyfunction]

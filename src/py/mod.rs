@@ -126,6 +126,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
     m.add_function(wrap_pyfunction!(redact, m)?)?;
     m.add_function(wrap_pyfunction!(digest::hash_files, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::known_digest, m)?)?;
     m.add_function(wrap_pyfunction!(digest::read_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(digest::manifest_line, m)?)?;
     m.add_function(wrap_pyfunction!(digest::parse_digest, m)?)?;
