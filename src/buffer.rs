@@ -124,7 +124,7 @@ impl Drop for Region {
 
 /// Whether large destinations are advised to use transparent huge pages.
 ///
-/// Measured on the dev machine (README, "Huge pages"): where the kernel compacts memory on a
+/// Measured on the dev machine (docs/backends.md, "Huge pages"): where the kernel compacts memory on a
 /// huge-page fault (`defrag` = `always`, `madvise` or `defer+madvise`), the first touch of fresh
 /// memory in a process runs at 0.4-1 GiB/s against 2.4-4 GiB/s for 4 KiB pages, so advising only
 /// pays where faults cannot stall (`defer`, `never`). `SAFELOAD_HUGE_PAGES=1`/`0` overrides.

@@ -3,7 +3,7 @@
 //! `sha256sum -c` checks. No I/O here.
 //!
 //! The implementation behind [`Sha256`] is RustCrypto's `sha2` (SHA-NI / AVX2 picked at run time;
-//! why it and not `ring`: Cargo.toml and README). Nothing outside this file names it.
+//! why it and not `ring`: Cargo.toml and docs/cli.md). Nothing outside this file names it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -334,7 +334,7 @@ mod tests {
         }
     }
 
-    /// Throughput of [`Sha256`] over 1 GiB in memory (README, "Verification"):
+    /// Throughput of [`Sha256`] over 1 GiB in memory (docs/cli.md, "SHA-256"):
     /// `cargo test --release --lib digest -- --ignored --nocapture`.
     #[test]
     #[ignore = "a measurement, not a check"]

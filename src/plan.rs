@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 
 use crate::dtype::Dtype;
 
-/// Default chunk size, chosen by measurement (see README, "Tuning").
+/// Default chunk size, chosen by measurement (see docs/backends.md, "Tuning").
 pub const DEFAULT_CHUNK_BYTES: usize = 8 << 20;
 /// At most this many destinations in one vectored read (Linux's IOV_MAX).
 pub const MAX_SEGMENTS: usize = 1024;

@@ -120,7 +120,7 @@ pub enum Purpose {
 /// - A map gives views and parts; a copy out of it would fault every page in and then copy, so
 ///   copies read instead: from the page cache when warm (pread), around it when cold (uncached
 ///   reads keep the disk's queue full where buffered reads wait on readahead a window at a time:
-///   README, "Reading into a model"). Not measured (an explicit `"mmap"`): pread.
+///   docs/backends.md, "Reading into a model"). Not measured (an explicit `"mmap"`): pread.
 /// - Uncached reads the filesystem refused (`direct_refused`, seen by an earlier read): pread.
 /// - Otherwise what was resolved (`pread`, `direct`) reads for every purpose.
 pub fn for_purpose(
@@ -192,7 +192,7 @@ pub fn auto_may_map() -> bool {
 /// - Local and memory filesystems: a private map, zero copy, as safetensors 0.8's default does
 ///   (with the same sequential read-ahead advice): warm, every other way copies what is already in
 ///   memory into fresh memory, 20-100x slower on the dev VM; cold, the page cache has to be filled
-///   anyway and the map uses it without a second copy (README, "Backends", has the table).
+///   anyway and the map uses it without a second copy (docs/backends.md has the table).
 /// - Except cold local files holding more than half of the available memory ([`direct_above`]):
 ///   O_DIRECT, so that a load does not push the rest of the page cache (or its own tensors) out;
 ///   unless they hold more than the process may take at all (`available`, see
@@ -231,7 +231,7 @@ pub fn choose(
 /// Workers for a strategy on a filesystem: network reads wait on round trips, so many more
 /// requests are kept in flight than there are cores: 16, or as many as the FUSE connection lets
 /// the kernel keep in flight (`max_background`, where it can be read), up to 8 per core and 64.
-/// Measured through a 2 ms slowfs mount on 2 cores (README, "Storage"): uncached 1 MiB reads by
+/// Measured through a 2 ms slowfs mount on 2 cores (docs/backends.md, "Storage"): uncached 1 MiB reads by
 /// 16 workers 3.48 GiB/s, by 32 2.67, by 64 2.14 (the CPU is the limit there), by 8 2.74.
 pub fn threads_for(kind: FsKind, cores: usize, in_flight: Option<usize>) -> usize {
     match kind {

@@ -6,7 +6,7 @@ Each case runs in a fresh process, so a signal shows as the child's exit status.
 to half its size after a handle on it is open (before the call, or between its steps: after the
 first tensor a stream yields, after a loader started reading ahead); ``load_file`` and
 ``load_checkpoint`` open the file again after the cut, and find its header's tensors past its end. Tensors handed out before the
-cut keep safetensors 0.8's behaviour (README, Backends) and are not touched after it here.
+cut keep safetensors 0.8's behaviour (docs/backends.md) and are not touched after it here.
 """
 
 from __future__ import annotations

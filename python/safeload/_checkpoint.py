@@ -53,8 +53,8 @@ def load_checkpoint(
     the index's folder; a file's bare name), a ``sha256sum`` manifest's path, or True (the
     Hugging Face cache's blob names, the Hub's reported digests, a ``SHA256SUMS`` beside the
     files); None: ``$SAFELOAD_VERIFY`` decides; False: off. ``verify_cache``: the verified
-    record's directory (``$SAFELOAD_VERIFY_CACHE``; see :class:`safeload.safe_open`). See README,
-    "Verified loads".
+    record's directory (``$SAFELOAD_VERIFY_CACHE``; see :class:`safeload.safe_open`). See
+    docs/verification.md.
 
     ``dtype`` (torch.float32/float16/bfloat16) converts the floating-point tensors on the way.
 

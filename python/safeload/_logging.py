@@ -76,7 +76,7 @@ def log_verified(pinned: Any) -> None:
 
 
 def log_memory() -> None:
-    """Log at DEBUG what the pool of freed memory keeps, under which bound (see README,
+    """Log at DEBUG what the pool of freed memory keeps, under which bound (see docs/backends.md,
     "Repeated loads")."""
     if not logger.isEnabledFor(logging.DEBUG):
         return

@@ -37,14 +37,14 @@ class safe_open:
         threads, chunk_bytes: tuning of the parallel reader.
         drop_cache: drop the file's pages from the page cache after each read.
         storage_options: for URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``), the store's
-            settings over the environment's (fsspec / obstore keys; see README, Object storage).
+            settings over the environment's (fsspec / obstore keys; see docs/object-storage.md).
         verify: the file's SHA-256, checked at open: ``{file name: digest}``, a ``sha256sum``
             manifest's path, or True (the digests the source knows). The file is read whole and
             hashed here, and every tensor is served from those bytes. None: ``$SAFELOAD_VERIFY``
-            decides; False: off. See README, "Verified loads".
+            decides; False: off. See docs/verification.md.
         verify_cache: a directory for the verified record (``$SAFELOAD_VERIFY_CACHE``): a file
             that hashed right is remembered with its identity, and a later load of it unchanged
-            skips the hash. See README, "Verified loads".
+            skips the hash. See docs/verification.md.
     """
 
     def __init__(

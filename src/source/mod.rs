@@ -324,7 +324,7 @@ impl Source {
         let file = self.backing.file().ok_or_else(|| open_err(not_a_file()))?;
         // SAFETY: a private mapping; our writes never reach the file. A file truncated under the
         // map is caught before a view is handed out (`TensorBytes::checked`); a view handed out earlier and
-        // touched after the truncation raises SIGBUS, as safetensors 0.8's maps do (README).
+        // touched after the truncation raises SIGBUS, as safetensors 0.8's maps do (docs/backends.md).
         let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }.map_err(open_err)?;
         let file = file.try_clone().map_err(open_err)?;
         // Faults read ahead further (what safetensors 0.8 advises on its maps too).
