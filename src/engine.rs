@@ -257,7 +257,7 @@ impl<'a> Worker<'a> {
                 None => {
                     let file = self.files.buffered(chunk.file);
                     // Asked of the page cache first: the disk reads the chunk while this thread
-                    // maps its destination pages (cold, the two took turns).
+                    // maps its destination pages, rather than the two taking turns.
                     platform::prefetch(file, chunk.offset, chunk.len as u64);
                     file
                 }

@@ -187,31 +187,12 @@ pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index], bounds: Bounds) ->
         .map(|d| select_dim(indices, shape, d, bounds))
         .collect::<Result<Vec<_>>>()?;
     let out_shape: Vec<usize> = sels.iter().filter(|s| s.keep).map(|s| s.count).collect();
-    let misaligned = || {
-        Error::Slice(format!(
-            "{}: The slice is slicing for subbytes dtypes, and the slice does not end up at a \
-             byte boundary, this is invalid.",
-            describe(indices, shape)
-        ))
-    };
-
-    // Trailing dimensions taken whole form one contiguous block per element of the dim before.
-    let mut block_elems = 1usize;
-    let mut k = shape.len();
-    while k > 0 {
-        let s = sels[k - 1];
-        if s.start == 0 && s.count == shape[k - 1] && s.step == 1 {
-            block_elems *= shape[k - 1];
-            k -= 1;
-        } else {
-            break;
-        }
-    }
+    let (k, block_elems) = whole_trailing_dims(&sels, shape);
     let bits = dtype.bits();
     let to_bytes = |elems: usize| -> Result<usize> {
         let b = elems * bits;
         if !b.is_multiple_of(8) {
-            Err(misaligned())
+            Err(misaligned(indices, shape))
         } else {
             Ok(b / 8)
         }
@@ -237,12 +218,55 @@ pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index], bounds: Bounds) ->
             nbytes,
         });
     }
+    Ok(SlicePlan {
+        shape: out_shape,
+        rows: strided_rows(&sels[..k], shape, block_elems, to_bytes)?,
+        nbytes,
+    })
+}
 
+/// A sub-byte dtype's slice that does not start or end on a byte boundary.
+fn misaligned(indices: &[Index], shape: &[usize]) -> Error {
+    Error::Slice(format!(
+        "{}: The slice is slicing for subbytes dtypes, and the slice does not end up at a \
+         byte boundary, this is invalid.",
+        describe(indices, shape)
+    ))
+}
+
+/// Trailing dimensions taken whole form one contiguous block per element of the dim before:
+/// returns how many dimensions come before them (`k`) and the elements of one block.
+fn whole_trailing_dims(sels: &[DimSel], shape: &[usize]) -> (usize, usize) {
+    let mut block_elems = 1usize;
+    let mut k = shape.len();
+    while k > 0 {
+        let s = sels[k - 1];
+        if s.start == 0 && s.count == shape[k - 1] && s.step == 1 {
+            block_elems *= shape[k - 1];
+            k -= 1;
+        } else {
+            break;
+        }
+    }
+    (k, block_elems)
+}
+
+/// The rows of a slice whose first `sels.len()` dimensions are not taken whole (`block_elems`:
+/// the elements of the whole dimensions after them): the last of them gives each row's runs,
+/// every combination of the ones before it one row, in C order. `to_bytes`: elements to bytes,
+/// refusing a count that is not a whole number of bytes.
+fn strided_rows(
+    sels: &[DimSel],
+    shape: &[usize],
+    block_elems: usize,
+    to_bytes: impl Fn(usize) -> Result<usize>,
+) -> Result<Vec<Row>> {
     // Element strides of every dimension (C order).
     let mut strides = vec![1usize; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
         strides[d] = strides[d + 1] * shape[d + 1];
     }
+    let k = sels.len();
     let inner = sels[k - 1];
     let (run_elems, count, stride_elems) = if inner.step == 1 {
         (inner.count * block_elems, 1, inner.count * block_elems)
@@ -279,11 +303,7 @@ pub fn plan(dtype: Dtype, shape: &[usize], indices: &[Index], bounds: Bounds) ->
             counters[d] = 0;
         }
     }
-    Ok(SlicePlan {
-        shape: out_shape,
-        rows,
-        nbytes,
-    })
+    Ok(rows)
 }
 
 /// The elements of `plan` cut out of a whole tensor's bytes (`whole`: its map view or the

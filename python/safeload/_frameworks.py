@@ -113,8 +113,8 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while a load builds its thousands of objects (the
     core's tuples, tensors, the dict) and back on after, if it was on. None of them is garbage
     while they are built, yet every 700 allocations the collector would walk them, and every
-    tenth walk the process's whole heap (torch's modules included): with 20,000 small tensors
-    that was more than half of ``get_tensors()``'s time, 140 ms of 200 ms. The collector's
+    tenth walk the process's whole heap (torch's modules included): with thousands of small
+    tensors those walks would take more than half of ``get_tensors()``'s time. The collector's
     counts go on, so it resumes where the load left it."""
     if not gc.isenabled():
         yield
@@ -129,8 +129,8 @@ def gc_paused() -> Iterator[None]:
 def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, Any]:
     """``to_torch`` over many tensors (``Bytes`` from the core), with the common case inlined:
     a dtype torch's DLPack import takes is one ``torch._C._from_dlpack(data.dlpack(code, shape))``
-    (0.8 us a tensor, against 1.3 us for ``torch.from_numpy(np.frombuffer(...).reshape(shape))``
-    and 2.5 us for ``torch.frombuffer(...).view(shape)``). A whole file's tensors take
+    (the cheapest way to a tensor: ``torch.from_numpy(np.frombuffer(...).reshape(shape))`` and
+    ``torch.frombuffer(...).view(shape)`` cost more per tensor). A whole file's tensors take
     :func:`torch_read_many`, which makes them in Rust."""
     import torch
 
@@ -148,9 +148,9 @@ def torch_many(items: Sequence[Tuple[str, str, List[int], Any]]) -> Dict[str, An
 def torch_read_many(reader: Any, dtype: Optional[str] = None) -> Dict[str, Any]:
     """Every tensor of a ``Handle`` or a ``Checkpoint`` as torch tensors, file order, ``dtype`` as
     ``read_many`` takes it. The core makes them (``import_many`` with :func:`torch_importer`):
-    with thousands of small tensors the per-tensor Python cost is what counts (20,000 tensors,
-    140 MB, read and made: 78 -> 61 ms, medians of 8 fresh processes); empty tensors and the
-    dtypes torch's DLPack import lacks come back as bytes for :func:`to_torch`."""
+    with thousands of small tensors the per-tensor Python cost is what counts, and making them in
+    Rust leaves none of it; empty tensors and the dtypes torch's DLPack import lacks come back as
+    bytes for :func:`to_torch`."""
     out, rest = reader.import_many(torch_importer(), dtype=dtype)
     for name in rest:
         code, shape, data = out[name]
@@ -173,7 +173,7 @@ def torch_importer() -> Importer:
 
 def _capsule_importer(torch: Any) -> Any:
     """What ``torch.from_dlpack`` calls for a DLPack capsule (``torch._C._from_dlpack``: the same
-    tensor without the Python-level dispatch, 0.8 us a tensor against 1.0 us), or
+    tensor without the Python-level dispatch, which each call would otherwise pay), or
     ``torch.from_dlpack`` itself on a torch that names it otherwise."""
     return getattr(getattr(torch, "_C", None), "_from_dlpack", None) or torch.from_dlpack
 

@@ -331,88 +331,121 @@ def _load(
     stats.pinned = sink.pinned
     wanted, fills = wanted_tensors(handles, per_source, buf_bytes)
     total = sum(f.length for f in fills)
-    remaining: Dict[str, int] = {}
-    meta: Dict[str, Tuple[str, List[int]]] = {}
-    for infos in wanted:
-        for t in infos:
-            remaining[t.name] = t.nbytes
-            meta[t.name] = (t.dtype, t.shape)
+    tensors = _Destinations(sink, wanted)
+    tensors.allocate_up_front()
+    ring = _allocate_ring(sink, fills, n_buffers, buf_bytes, stats)
+    sink.start()
+    try:
+        _run_fills(handles, fills, ring, sink, tensors, stats, progress, total)
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    del ring
 
-    dests: Dict[str, Any] = {}
-    out: Dict[str, Any] = {}
+    stats.bytes = total
+    stats.tensors = len(tensors.out)
+    stats.fills = len(fills)
+    stats.seconds = time.perf_counter() - started
+    # File order (offset order per file, files in order), as the CPU path returns.
+    return {t.name: tensors.out[t.name] for infos in wanted for t in infos}, stats
 
-    def typed(name: str) -> Any:
-        code, shape = meta[name]
-        return dests[name].view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
 
-    if sink.eager_dest:
-        for name, n in remaining.items():
-            dests[name] = sink.alloc_dest(n)
-    # Zero-size tensors have no fill: ready now.
-    for name, n in remaining.items():
-        if n == 0:
-            if name not in dests:
-                dests[name] = sink.alloc_dest(0)
-            out[name] = sink.deliver(typed(name), -1)
-            del dests[name]
+class _Destinations:
+    """The wanted tensors' destination bytes while a load fills them: the bytes each still waits
+    for, and the tensors delivered so far (``out``)."""
 
-    # The ring: as many buffers as fills need (at most n_buffers), each no larger than needed.
+    def __init__(self, sink: Sink, wanted: List[List[Info]]) -> None:
+        self.sink = sink
+        self.remaining: Dict[str, int] = {}
+        self.meta: Dict[str, Tuple[str, List[int]]] = {}
+        for infos in wanted:
+            for t in infos:
+                self.remaining[t.name] = t.nbytes
+                self.meta[t.name] = (t.dtype, t.shape)
+        self.dests: Dict[str, Any] = {}
+        self.out: Dict[str, Any] = {}
+
+    def allocate_up_front(self) -> None:
+        """Every destination when the sink wants them before any read; zero-size tensors (which
+        have no fill) delivered now."""
+        sink = self.sink
+        if sink.eager_dest:
+            for name, n in self.remaining.items():
+                self.dests[name] = sink.alloc_dest(n)
+        for name, n in self.remaining.items():
+            if n == 0:
+                if name not in self.dests:
+                    self.dests[name] = sink.alloc_dest(0)
+                self.out[name] = sink.deliver(self._typed(name), -1)
+                del self.dests[name]
+
+    def pieces(self, fill: Fill, buf: Any) -> Tuple[List[Tuple[Any, Any]], List[str]]:
+        """The ``(destination, staging)`` byte views of ``fill``'s copies out of ``buf``
+        (allocating a destination at its first piece), and the tensors they complete."""
+        pairs = []
+        finished = []
+        for name, t_off, s_off, n in fill.copies:
+            dest = self.dests.get(name)
+            if dest is None:
+                dest = self.dests[name] = self.sink.alloc_dest(self.remaining[name])
+            pairs.append((dest[t_off : t_off + n], buf[s_off : s_off + n]))
+            left = self.remaining[name] - n
+            self.remaining[name] = left
+            if left == 0:
+                finished.append(name)
+        return pairs, finished
+
+    def deliver(self, names: List[str], index: int) -> None:
+        """Hands the sink the tensors whose last piece was enqueued in fill ``index``."""
+        for name in names:
+            self.out[name] = self.sink.deliver(self._typed(name), index)
+            del self.dests[name]
+
+    def _typed(self, name: str) -> Any:
+        code, shape = self.meta[name]
+        return self.dests[name].view(torch_dtype(code, name)).reshape(torch_shape(code, shape))
+
+
+def _allocate_ring(sink: Sink, fills: List[Fill], n_buffers: int, buf_bytes: int,
+                   stats: StagingStats) -> List[Tuple[Any, int]]:
+    """The ring: as many buffers as fills need (at most ``n_buffers``), each no larger than
+    needed; its sizes go into ``stats``."""
     size = min(buf_bytes, _pow2ceil(max((f.length for f in fills), default=0)))
     ring: List[Tuple[Any, int]] = []
     for _ in range(min(n_buffers, len(fills))):
         ring.append(sink.alloc_staging(size))
     stats.buffers, stats.buffer_bytes, stats.ring_bytes = len(ring), size, n_buffers * buf_bytes
     stats.staging_bytes = len(ring) * size
-    sink.start()
+    return ring
 
+
+def _run_fills(handles: List[Handle], fills: List[Fill], ring: List[Tuple[Any, int]], sink: Sink,
+               tensors: _Destinations, stats: StagingStats, progress: Optional[Progress], total: int) -> None:
+    """Reads every fill into its ring buffer (once the copies of the fill that used the buffer
+    before are complete) and enqueues its copies; delivers each tensor its last piece completes."""
     in_flight: Dict[int, int] = {}  # fill index -> staging bytes not yet known copied
     done = 0
-    try:
-        for index, fill in enumerate(fills):
-            if index >= len(ring):
-                previous = index - len(ring)
-                sink.wait(previous)
-                for j in [j for j in in_flight if j <= previous]:
-                    del in_flight[j]
-            slot = index % len(ring)
-            buf, address = ring[slot]
-            sink.filling(index, slot)
-            read = handles[fill.source].read_ranges(
-                [(buf[at:at + length], offset) for offset, length, at in fill.reads])
-            stats.add_read(read)
-            in_flight[index] = fill.length
-            stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
-            pairs = []
-            finished = []
-            for name, t_off, s_off, n in fill.copies:
-                dest = dests.get(name)
-                if dest is None:
-                    dest = dests[name] = sink.alloc_dest(remaining[name])
-                pairs.append((dest[t_off : t_off + n], buf[s_off : s_off + n]))
-                left = remaining[name] - n
-                remaining[name] = left
-                if left == 0:
-                    finished.append(name)
-            sink.copy_fill(index, pairs)
-            for name in finished:
-                out[name] = sink.deliver(typed(name), index)
-                del dests[name]
-            done += fill.length
-            if progress is not None:
-                progress(done, total)
-        sink.finish()
-    except BaseException:
-        sink.abort()
-        raise
-    in_flight.clear()
-    del ring
-
-    stats.bytes = total
-    stats.tensors = len(out)
-    stats.fills = len(fills)
-    stats.seconds = time.perf_counter() - started
-    # File order (offset order per file, files in order), as the CPU path returns.
-    return {t.name: out[t.name] for infos in wanted for t in infos}, stats
+    for index, fill in enumerate(fills):
+        if index >= len(ring):
+            previous = index - len(ring)
+            sink.wait(previous)
+            for j in [j for j in in_flight if j <= previous]:
+                del in_flight[j]
+        slot = index % len(ring)
+        buf, address = ring[slot]
+        sink.filling(index, slot)
+        read = handles[fill.source].read_ranges(
+            [(buf[at:at + length], offset) for offset, length, at in fill.reads])
+        stats.add_read(read)
+        in_flight[index] = fill.length
+        stats.peak_in_flight = max(stats.peak_in_flight, sum(in_flight.values()))
+        pairs, finished = tensors.pieces(fill, buf)
+        sink.copy_fill(index, pairs)
+        tensors.deliver(finished, index)
+        done += fill.length
+        if progress is not None:
+            progress(done, total)
 
 
 def load_checkpoint_to_device(ckpt: Any, target: Any, *, progress: Optional[Progress] = None,

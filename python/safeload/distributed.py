@@ -20,8 +20,9 @@ failing rank, rather than leaving the others waiting in a collective.
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _device, _logging
 from ._frameworks import to_dtype, to_torch, torch_dtype, torch_shape
@@ -260,16 +261,33 @@ def load_checkpoint(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     comm = _comm_device(dist, group)
     started = time.perf_counter()
+    open_checkpoint = functools.partial(
+        Checkpoint, path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+        storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+    ckpt, dev, paths, selections = _open_agreed(dist, group, rank, target, open_checkpoint, selection)
+    entries, rounds = _plan_rounds(dist, group, rank, comm, ckpt, world, ranks_needing, selections)
+    out = _read_and_exchange(dist, group, rank, comm, ckpt, entries, rounds)
+    stats = ckpt.stats()  # what this rank read
+    ckpt.close()
+    if dev != comm:
+        out = {k: v.to(dev) for k, v in out.items()}
+    state = to_dtype({e.name: out[e.name] for e in entries if e.name in out}, dtype)
+    _logging.log_read(paths, stats, f"load_checkpoint(rank {rank}/{world}, {time.perf_counter() - started:.3f}s)")
+    return (state, stats) if return_stats else state
+
+
+def _open_agreed(dist: Any, group: Any, rank: int, target: Any, open_checkpoint: Callable[[], Any],
+                 selection: Optional[Iterable[str]]) -> Tuple[Any, Any, List[str], Optional[List[Any]]]:
+    """Opens the checkpoint on every rank and makes sure they all see the same one: the
+    checkpoint, the torch device, its paths, and every rank's selection (None: no rank gave one)."""
     error: Optional[BaseException] = None
     paths: List[str] = []
-    entries: List[_Entry] = []
     digest = ""
     dev: Any = None
     ckpt: Any = None
     try:
         dev = _device.torch_device(target)
-        ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                          storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+        ckpt = open_checkpoint()
         paths = ckpt.paths
         digest = ckpt.digest()
     except Exception as exc:  # every rank must learn of it: see _agree
@@ -280,35 +298,44 @@ def load_checkpoint(
         raise SafetensorError("load_checkpoint: the ranks of the process group see different checkpoints "
                               "(shard names, tensor names, dtypes, shapes or offsets differ)")
     selections = None if all(s is None for _, s in gathered) else [s for _, s in gathered]
+    return ckpt, dev, paths, selections
+
+
+def _plan_rounds(dist: Any, group: Any, rank: int, comm: Any, ckpt: Any, world: int,
+                 ranks_needing: Optional[Dict[str, Iterable[int]]],
+                 selections: Optional[List[Any]]) -> Tuple[List[_Entry], List[List[_Entry]]]:
+    """Every tensor of the load (who reads it, who needs it) and the rounds they are read in,
+    planned alike on every rank."""
+    error: Optional[BaseException] = None
+    entries: List[_Entry] = []
     rounds: List[List[_Entry]] = []
     try:
         needing = None if ranks_needing is None else {n: [int(r) for r in rs] for n, rs in ranks_needing.items()}
         shares, planned = ckpt.shares(world, ranks_needing=needing, selections=selections, batch_bytes=BATCH_BYTES)
         entries = [_Entry(s) for s in shares]
         rounds = [[entries[i] for i in r] for r in planned]
-        error = None
     except Exception as exc:
         error = exc
     _check(dist, group, rank, error, comm, "load_checkpoint (planning)")
+    return entries, rounds
+
+
+def _read_and_exchange(dist: Any, group: Any, rank: int, comm: Any, ckpt: Any, entries: List[_Entry],
+                       rounds: List[List[_Entry]]) -> Dict[str, Any]:
+    """Reads this rank's share round by round, each round's transfers overlapping the next
+    round's read; the tensors this rank needs, on ``comm``."""
     exchange = _Exchange(dist, group, rank, comm)
     for batch in rounds:
         have: Dict[str, Any] = {}
+        error: Optional[BaseException] = None
         try:
             have = _read_share(ckpt, [e for e in batch if e.owner == rank])
-            error = None
         except Exception as exc:
             error = exc
         _check(dist, group, rank, error, comm, "load_checkpoint (read)", exchange.wait)
         exchange.post(batch, have)
         del have
-    out = exchange.finish(entries)
-    stats = ckpt.stats()  # what this rank read
-    ckpt.close()
-    if dev != comm:
-        out = {k: v.to(dev) for k, v in out.items()}
-    state = to_dtype({e.name: out[e.name] for e in entries if e.name in out}, dtype)
-    _logging.log_read(paths, stats, f"load_checkpoint(rank {rank}/{world}, {time.perf_counter() - started:.3f}s)")
-    return (state, stats) if return_stats else state
+    return exchange.finish(entries)
 
 
 def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,

@@ -45,12 +45,11 @@ mod worker;
 
 /// Makes the pages of every tensor of each of `sources` resident in its map, in the background,
 /// one file after another in file order, for the shards whose data are not all in the page cache
-/// ([`strategy::populate_ahead`], measured now): what `get_tensors()` on a mapped handle starts,
-/// for a checkpoint's whole read of mapped shards, which has no handle to keep a read-ahead in
-/// (`load_checkpoint` cold: the caller's touches found pages read ahead of them instead of
-/// faulting each window in; 0.55 -> 1.4 GiB/s on 1 GiB in 2 shards, what `load_file` of each
-/// shard reaches). The walk ends on its own at the last shard; `SAFELOAD_READAHEAD_BYTES=0`
-/// turns it off, as it turns off every read-ahead.
+/// now ([`strategy::populate_ahead`]): what `get_tensors()` on a mapped handle starts, for a
+/// checkpoint's whole read of mapped shards, which has no handle to keep a read-ahead in. A cold
+/// `load_checkpoint`'s touches then find pages read ahead of them instead of faulting each window
+/// in, so it reads each shard as fast as `load_file` of that shard does. The walk ends on its own
+/// at the last shard; `SAFELOAD_READAHEAD_BYTES=0` turns it off, as it turns off every read-ahead.
 pub fn populate_in_background(sources: Vec<Arc<Source>>, tally: Arc<Tally>, opts: ReadOptions) {
     let budget = budget_from_env();
     let cold: Vec<Arc<Source>> = (sources.into_iter())
@@ -81,10 +80,10 @@ const PAGE_CACHE_FACTOR: u64 = 4;
 /// The window before anything was taken.
 const FIRST_WINDOW: u64 = 64 << 20;
 /// Workers reading batches into memory: two batches in flight, so one's tail overlaps the next
-/// one's start. They share the handle's read threads (each batch's engine runs half of them):
-/// measured on 2 cores, warm 2.5 GiB file, `prefetch()` + take all, 8 fresh processes, medians:
-/// 1.92 GiB/s with every batch running all the threads (4 on 2 cores), 2.26 shared, against
-/// 2.28 for `get_tensors()`.
+/// one's start. They share the handle's read threads (each batch's engine runs half of them), so
+/// a prefetch runs no more threads than `get_tensors()` does and reads a warm file as fast: with
+/// every batch running all of them, twice the handle's threads contend for the cores and the
+/// prefetch reads more slowly.
 const BATCH_WORKERS: usize = 2;
 /// How often a waiting caller polls for cancellation.
 const WAIT: Duration = Duration::from_millis(20);

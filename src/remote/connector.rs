@@ -273,40 +273,14 @@ impl Hyper {
         &self,
         req: HttpRequest,
     ) -> Result<http::Response<hyper::body::Incoming>, HttpError> {
-        let refuse = |message: String| HttpError::new(HttpErrorKind::Unknown, Message(message));
         let follows = matches!(*req.method(), http::Method::GET | http::Method::HEAD);
         let method = req.method().clone();
         let (mut headers, mut uri) = (req.headers().clone(), req.uri().clone());
         let mut next = Some(req);
         let mut at_origin = true;
         for hop in 0..=MAX_REDIRECTS {
-            let mut request = next.take().expect("set for every hop");
-            if let Some(value) = self.proxies.authorization(&uri) {
-                request
-                    .headers_mut()
-                    .insert(http::header::PROXY_AUTHORIZATION, value);
-            }
-            if uri.scheme_str() == Some("http") && self.waits.refuse_http {
-                return Err(refuse(format!(
-                    "{}: plain http is refused: storage_options has allow_http=false",
-                    crate::redact::redact(&uri.to_string())
-                )));
-            }
-            let response = tokio::time::timeout(self.waits.response, self.client.request(request))
-                .await
-                .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
-                .map_err(|e| {
-                    let (causes, tls) = causes(&e);
-                    let kind = match (tls, e.is_connect()) {
-                        // The same certificate fails the same way on every try: not retried.
-                        (true, _) => HttpErrorKind::Unknown,
-                        (false, true) => HttpErrorKind::Connect,
-                        (false, false) => HttpErrorKind::Request,
-                    };
-                    let at = crate::redact::redact(&uri.to_string()).into_owned();
-                    let what = if tls { "TLS failed" } else { "request failed" };
-                    HttpError::new(kind, Message(format!("{at}: {what}: {causes}")))
-                })?;
+            let request = next.take().expect("set for every hop");
+            let response = self.send(request, &uri).await?;
             let status = response.status();
             if at_origin && (status.is_success() || status.is_redirection()) {
                 super::reported::note_hub_answer(response.headers());
@@ -319,34 +293,12 @@ impl Hyper {
             };
             let from = crate::redact::redact(&uri.to_string()).into_owned();
             if hop == MAX_REDIRECTS {
-                return Err(refuse(format!(
+                return Err(refused(format!(
                     "{from}: more than {MAX_REDIRECTS} redirects"
                 )));
             }
-            let bad = |e: String| refuse(format!("{from}: redirected to a bad location ({e})"));
-            let target = (url::Url::parse(&uri.to_string()))
-                .and_then(|base| base.join(location.to_str().unwrap_or_default()))
-                .map_err(|e| bad(e.to_string()))?;
-            let shown = crate::redact::redact(target.as_str()).into_owned();
-            let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
-            match target.scheme() {
-                "http" if downgrade && !self.waits.downgrade => {
-                    return Err(refuse(format!(
-                        "{from}: redirected from https to http ({shown}): refused unless \
-                         storage_options has allow_http=true"
-                    )));
-                }
-                "http" | "https" => {}
-                other => {
-                    return Err(refuse(format!(
-                        "{from}: redirected to a {other}: URL ({shown}), which is not followed"
-                    )));
-                }
-            }
-            let port = |scheme: Option<&str>| if scheme == Some("https") { 443 } else { 80 };
-            let same_host = target.host_str() == uri.host()
-                && target.port_or_known_default()
-                    == Some(uri.port_u16().unwrap_or(port(uri.scheme_str())));
+            let target = self.redirect_target(&uri, location, &from)?;
+            let same_host = same_host(&target, &uri);
             at_origin &= same_host;
             if !same_host {
                 headers.remove(http::header::AUTHORIZATION);
@@ -357,17 +309,98 @@ impl Hyper {
             uri = target
                 .as_str()
                 .parse()
-                .map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
+                .map_err(|e: http::uri::InvalidUri| bad_location(&from, e))?;
             let mut request = http::Request::builder()
                 .method(method.clone())
                 .uri(uri.clone())
                 .body(HttpRequestBody::empty())
-                .map_err(|e| bad(e.to_string()))?;
+                .map_err(|e| bad_location(&from, e))?;
             *request.headers_mut() = headers.clone();
             next = Some(request);
         }
         unreachable!("the last hop returns")
     }
+
+    /// Sends one request of a [`Hyper::follow`] to `uri` (its own): with the proxy's credentials
+    /// for it, never over plain http when the caller refused it, and within the response wait.
+    async fn send(
+        &self,
+        mut request: HttpRequest,
+        uri: &http::Uri,
+    ) -> Result<http::Response<hyper::body::Incoming>, HttpError> {
+        if let Some(value) = self.proxies.authorization(uri) {
+            request
+                .headers_mut()
+                .insert(http::header::PROXY_AUTHORIZATION, value);
+        }
+        if uri.scheme_str() == Some("http") && self.waits.refuse_http {
+            return Err(refused(format!(
+                "{}: plain http is refused: storage_options has allow_http=false",
+                crate::redact::redact(&uri.to_string())
+            )));
+        }
+        tokio::time::timeout(self.waits.response, self.client.request(request))
+            .await
+            .map_err(|e| HttpError::new(HttpErrorKind::Timeout, e))?
+            .map_err(|e| request_error(&e, uri))
+    }
+
+    /// Where a redirect from `uri` (shown as `from`) to `location` leads, if it may be followed:
+    /// http(s) only, and from https to http only with `allow_http`.
+    fn redirect_target(
+        &self,
+        uri: &http::Uri,
+        location: &http::HeaderValue,
+        from: &str,
+    ) -> Result<url::Url, HttpError> {
+        let target = (url::Url::parse(&uri.to_string()))
+            .and_then(|base| base.join(location.to_str().unwrap_or_default()))
+            .map_err(|e| bad_location(from, e))?;
+        let shown = crate::redact::redact(target.as_str()).into_owned();
+        let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
+        match target.scheme() {
+            "http" if downgrade && !self.waits.downgrade => Err(refused(format!(
+                "{from}: redirected from https to http ({shown}): refused unless \
+                 storage_options has allow_http=true"
+            ))),
+            "http" | "https" => Ok(target),
+            other => Err(refused(format!(
+                "{from}: redirected to a {other}: URL ({shown}), which is not followed"
+            ))),
+        }
+    }
+}
+
+/// A request error as `object_store` should take it, naming the URL and every cause: a TLS
+/// failure is not retried (the same certificate fails the same way on every try), a failed
+/// connection or request is.
+fn request_error(e: &hyper_util::client::legacy::Error, uri: &http::Uri) -> HttpError {
+    let (causes, tls) = causes(e);
+    let kind = match (tls, e.is_connect()) {
+        (true, _) => HttpErrorKind::Unknown,
+        (false, true) => HttpErrorKind::Connect,
+        (false, false) => HttpErrorKind::Request,
+    };
+    let at = crate::redact::redact(&uri.to_string()).into_owned();
+    let what = if tls { "TLS failed" } else { "request failed" };
+    HttpError::new(kind, Message(format!("{at}: {what}: {causes}")))
+}
+
+/// Whether a redirect `target` is on the host (and port) of `uri`, which its credentials are for.
+fn same_host(target: &url::Url, uri: &http::Uri) -> bool {
+    let port = |scheme: Option<&str>| if scheme == Some("https") { 443 } else { 80 };
+    target.host_str() == uri.host()
+        && target.port_or_known_default() == Some(uri.port_u16().unwrap_or(port(uri.scheme_str())))
+}
+
+/// A request [`Hyper::follow`] will not send (not retried: the same request is refused again).
+fn refused(message: String) -> HttpError {
+    HttpError::new(HttpErrorKind::Unknown, Message(message))
+}
+
+/// A redirect from `from` whose location is not a URL to send a request to.
+fn bad_location(from: &str, e: impl std::fmt::Display) -> HttpError {
+    refused(format!("{from}: redirected to a bad location ({e})"))
 }
 
 /// The same request again, for its next try.

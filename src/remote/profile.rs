@@ -11,7 +11,12 @@ use std::path::PathBuf;
 
 /// A file's sections: name -> (key -> value); nested keys (`s3 =` then indented lines) as
 /// `s3.addressing_style`.
-type Sections = HashMap<String, HashMap<String, String>>;
+type Sections = HashMap<String, Section>;
+/// One section of a file: key -> value.
+type Section = HashMap<String, String>;
+
+/// How the environment is read (a variable's value, None when unset).
+type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// The settings the profile gives, as `object_store` S3 option names (`access_key_id`,
 /// `secret_access_key`, `token`, `region`, `endpoint`, `virtual_hosted_style_request`), each
@@ -20,31 +25,8 @@ type Sections = HashMap<String, HashMap<String, String>>;
 pub fn settings(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, String)>, String> {
     let explicit = env("AWS_PROFILE").filter(|p| !p.is_empty());
     let profile = explicit.clone().unwrap_or_else(|| "default".into());
-    let home = env("HOME")
-        .or_else(|| env("USERPROFILE"))
-        .map(PathBuf::from);
-    let file = |var: &str, name: &str| {
-        env(var)
-            .map(PathBuf::from)
-            .or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
-    };
-    let credentials_path = file("AWS_SHARED_CREDENTIALS_FILE", "credentials");
-    let config_path = file("AWS_CONFIG_FILE", "config");
-    let read = |path: &Option<PathBuf>| {
-        path.as_ref()
-            .and_then(|p| std::fs::read_to_string(p).ok())
-            .map(|text| parse(&text))
-            .unwrap_or_default()
-    };
-    let credentials = read(&credentials_path).remove(&profile);
-    let config_section = match profile.as_str() {
-        "default" => "default".to_string(),
-        name => format!("profile {name}"),
-    };
-    let mut configs = read(&config_path);
-    let config = configs
-        .remove(&config_section)
-        .or_else(|| configs.remove(&format!("profile {profile}")));
+    let (credentials_path, config_path) = shared_files(env);
+    let (credentials, config) = profile_sections(&profile, &credentials_path, &config_path);
     if credentials.is_none() && config.is_none() {
         return match explicit {
             Some(name) => Err(format!(
@@ -56,20 +38,85 @@ pub fn settings(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, Str
         };
     }
     let (credentials, config) = (credentials.unwrap_or_default(), config.unwrap_or_default());
-    let get = |key: &str| credentials.get(key).or_else(|| config.get(key)).cloned();
-    let unset = |vars: &[&str]| vars.iter().all(|v| env(v).is_none_or(|s| s.is_empty()));
     let mut out = Vec::new();
-    if unset(&["AWS_ACCESS_KEY_ID"]) {
-        for (file_key, option) in [
-            ("aws_access_key_id", "access_key_id"),
-            ("aws_secret_access_key", "secret_access_key"),
-            ("aws_session_token", "token"),
-        ] {
-            if let Some(value) = get(file_key) {
-                out.push((option.to_string(), value));
-            }
+    push_key_pair(env, &credentials, &config, &mut out);
+    push_region_and_endpoint(env, &config, &mut out);
+    push_addressing_style(env, &config, &mut out);
+    Ok(out)
+}
+
+/// The credentials file and the config file: where the environment names them, else in
+/// `~/.aws` (None without a home directory).
+fn shared_files(env: Env) -> (Option<PathBuf>, Option<PathBuf>) {
+    let home = env("HOME")
+        .or_else(|| env("USERPROFILE"))
+        .map(PathBuf::from);
+    let file = |var: &str, name: &str| {
+        env(var)
+            .map(PathBuf::from)
+            .or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
+    };
+    (
+        file("AWS_SHARED_CREDENTIALS_FILE", "credentials"),
+        file("AWS_CONFIG_FILE", "config"),
+    )
+}
+
+/// `profile`'s section of the credentials file (`[name]`) and of the config file
+/// (`[profile name]`, `[default]` for the default profile); a file that cannot be read has none.
+fn profile_sections(
+    profile: &str,
+    credentials_path: &Option<PathBuf>,
+    config_path: &Option<PathBuf>,
+) -> (Option<Section>, Option<Section>) {
+    let read = |path: &Option<PathBuf>| {
+        path.as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map(|text| parse(&text))
+            .unwrap_or_default()
+    };
+    let credentials = read(credentials_path).remove(profile);
+    let config_section = match profile {
+        "default" => "default".to_string(),
+        name => format!("profile {name}"),
+    };
+    let mut configs = read(config_path);
+    let config = configs
+        .remove(&config_section)
+        .or_else(|| configs.remove(&format!("profile {profile}")));
+    (credentials, config)
+}
+
+/// Whether none of `vars` is set to a value.
+fn unset(env: Env, vars: &[&str]) -> bool {
+    vars.iter().all(|v| env(v).is_none_or(|s| s.is_empty()))
+}
+
+/// The key pair and session token, from the credentials file first, then the config file; none
+/// when the environment has credentials (they are a set).
+fn push_key_pair(
+    env: Env,
+    credentials: &Section,
+    config: &Section,
+    out: &mut Vec<(String, String)>,
+) {
+    if !unset(env, &["AWS_ACCESS_KEY_ID"]) {
+        return;
+    }
+    let get = |key: &str| credentials.get(key).or_else(|| config.get(key)).cloned();
+    for (file_key, option) in [
+        ("aws_access_key_id", "access_key_id"),
+        ("aws_secret_access_key", "secret_access_key"),
+        ("aws_session_token", "token"),
+    ] {
+        if let Some(value) = get(file_key) {
+            out.push((option.to_string(), value));
         }
     }
+}
+
+/// The config file's region and endpoint, each unless the environment sets it.
+fn push_region_and_endpoint(env: Env, config: &Section, out: &mut Vec<(String, String)>) {
     let settings = [
         (
             &["AWS_REGION", "AWS_DEFAULT_REGION"][..],
@@ -83,17 +130,25 @@ pub fn settings(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, Str
         ),
     ];
     for (vars, file_key, option) in settings {
-        if let Some(value) = config.get(file_key).filter(|_| unset(vars)) {
+        if let Some(value) = config.get(file_key).filter(|_| unset(env, vars)) {
             out.push((option.to_string(), value.clone()));
         }
     }
+}
+
+/// The config file's `s3 = addressing_style` (`path` or `virtual`; `auto` is `object_store`'s
+/// default), unless the environment chooses the style.
+fn push_addressing_style(env: Env, config: &Section, out: &mut Vec<(String, String)>) {
     let style = config
         .get("s3.addressing_style")
         .map(|s| s.to_ascii_lowercase());
-    let style_unset = unset(&[
-        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
-        "AWS_S3_FORCE_PATH_STYLE",
-    ]);
+    let style_unset = unset(
+        env,
+        &[
+            "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+            "AWS_S3_FORCE_PATH_STYLE",
+        ],
+    );
     if let Some(virtual_hosted) = style.and_then(|s| match s.as_str() {
         "path" => Some(false),
         "virtual" => Some(true),
@@ -105,7 +160,6 @@ pub fn settings(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, Str
             virtual_hosted.to_string(),
         ));
     }
-    Ok(out)
 }
 
 fn shown(path: &Option<PathBuf>) -> String {
