@@ -29,7 +29,9 @@ Rounds interleave the contenders in a shuffled order; the table gives medians, s
 ratios (> 1: safeload faster), the fraction of the machine's limit, and each child's peak RSS. A
 child before the first round checks that every safeload result equals 0.8's, byte for byte.
 Output: the table on the terminal (a progress bar on stderr while it runs), and
-``main-job.md``, ``main-job.json`` and the chart ``main-job.svg`` under ``--out``.
+``main-job.md``, ``main-job.json`` and the chart, ``main-job.png`` and ``main-job.svg`` (drawn with
+matplotlib), under ``--out``: per job, warm and cold apart, safeload / 0.8 and each side's share of
+the machine's limit.
 """
 
 from __future__ import annotations
@@ -231,42 +233,147 @@ def render(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def svg_chart(rows: List[Dict[str, Any]], title: str) -> str:
-    """A bar chart of ``rows``: per state and job, 0.8's and safeload's GiB/s, the limit dashed."""
-    bar, gap, label_w, width = 14, 16, 190, 760
-    top = 48
-    scale_max = max([1e-9] + [m["gibs"] for r in rows for m in (r["safetensors"], r["safeload"]) if m]
-                    + [r["limit_gibs"] or 0 for r in rows])
-    plot_w = width - label_w - 90
-    x = lambda v: label_w + plot_w * v / scale_max  # noqa: E731
-    parts: List[str] = []
-    y = top
-    for r in rows:
-        parts.append(f'<text x="{label_w - 8}" y="{y + bar + 4}" text-anchor="end">{r["state"]} · {r["job"]}</text>')
-        for i, (who, color) in enumerate((("safetensors", "#9aa0a6"), ("safeload", "#1a73e8"))):
-            m = r[who]
-            if not m:
+#: the chart's colours: 0.8 grey, safeload blue, the machine's limit red and dashed
+COLORS = {"safetensors": "#9aa0a6", "safeload": "#1a73e8", "limit": "#d93025"}
+STATE_NAMES = {"warm": "Warm (files in the page cache)", "cold": "Cold (evicted before each load)"}
+#: the share-of-limit axis ends here; a longer bar (a warm map, which copies nothing) is cut at the edge
+SHARE_AXIS_MAX = 1.5
+CHART_FILES = ("main-job.png", "main-job.svg")
+
+
+def ratio_title(state: str) -> str:
+    return f"{STATE_NAMES[state]}: safeload / 0.8"
+
+
+def share_title(state: str, limit_gibs: Optional[float]) -> str:
+    limit = f"{limit_gibs:.2f} GiB/s" if limit_gibs else "not measured"
+    return f"{state.capitalize()}: each side as % of the machine's limit ({limit})"
+
+
+def _ratio_panel(ax: Any, state: str, jobs: List[str], by_key: Dict[Tuple[str, str], Dict[str, Any]],
+                 fold: float) -> None:
+    """safeload / 0.8 per job: a bar from 1 to the ratio on a log axis from 1 / ``fold`` to ``fold``."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log")
+    ax.set_xlim(1 / fold, fold)
+    ax.xaxis.set_major_locator(FixedLocator([t for t in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 1.5, 2, 3, 4, 8, 16)
+                                             if 1 / fold <= t <= fold and (fold <= 4 or t not in (3 / 4, 1.5, 3))]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}\u00d7"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.axvline(1.0, color="black", linewidth=1)
+    for i, job in enumerate(jobs):
+        q = by_key.get((state, job), {}).get("ratio")
+        if not q:
+            ax.text(1.0, i, "  no result", va="center", fontsize=9, color="dimgray")
+            continue
+        ax.barh(i, abs(q - 1), left=min(q, 1.0), height=0.6, color=COLORS["safeload" if q >= 1 else "safetensors"])
+        ax.text(q * 1.04 if q >= 1 else q / 1.04, i, f"{q:.2f}\u00d7", va="center", ha="left" if q >= 1 else "right",
+                fontsize=10, fontweight="bold")
+    ax.set_title(ratio_title(state), fontsize=11, loc="left")
+    ax.set_xlabel("safeload / 0.8, log scale (> 1\u00d7: safeload faster)")
+    ax.grid(axis="x", color="#e0e0e0", linewidth=0.8)
+    ax.set_axisbelow(True)
+
+
+def _share_panel(ax: Any, state: str, jobs: List[str], by_key: Dict[Tuple[str, str], Dict[str, Any]],
+                 share_max: float) -> None:
+    """Each side's rate over the state's machine limit, 0 to ``share_max``; a longer bar is broken
+    at the edge, its label saying where it would end."""
+    from matplotlib.ticker import PercentFormatter
+
+    limit = next((by_key[(state, j)]["limit_gibs"] for j in jobs if (state, j) in by_key), None)
+    ax.set_xlim(0, share_max)
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.axvline(1.0, color=COLORS["limit"], linestyle="--", linewidth=1.5)
+    for i, job in enumerate(jobs):
+        r = by_key.get((state, job))
+        for y, who in ((i - 0.2, "safetensors"), (i + 0.2, "safeload")):
+            if not r or not r[who]:
+                ax.text(0.01, y, "no result", va="center", fontsize=8, color="dimgray")
                 continue
-            by = y + i * bar
-            parts.append(f'<rect x="{label_w}" y="{by}" width="{x(m["gibs"]) - label_w:.1f}" height="{bar - 2}" fill="{color}"/>')
-            parts.append(f'<text x="{x(m["gibs"]) + 4:.1f}" y="{by + bar - 4}" font-size="11">{m["gibs"]:.2f}</text>')
-        if r["limit_gibs"]:
-            lx = x(r["limit_gibs"])
-            parts.append(f'<line x1="{lx:.1f}" x2="{lx:.1f}" y1="{y - 2}" y2="{y + 2 * bar}" stroke="#d93025" '
-                         'stroke-dasharray="3,2"/>')
-        y += 2 * bar + gap
-    height = y + 30
-    legend = (f'<rect x="{label_w}" y="{height - 22}" width="10" height="10" fill="#9aa0a6"/>'
-              f'<text x="{label_w + 14}" y="{height - 13}" font-size="11">safetensors 0.8</text>'
-              f'<rect x="{label_w + 120}" y="{height - 22}" width="10" height="10" fill="#1a73e8"/>'
-              f'<text x="{label_w + 134}" y="{height - 13}" font-size="11">safeload</text>'
-              f'<line x1="{label_w + 210}" x2="{label_w + 224}" y1="{height - 17}" y2="{height - 17}" stroke="#d93025" '
-              f'stroke-dasharray="3,2"/><text x="{label_w + 228}" y="{height - 13}" font-size="11">machine limit '
-              '(GiB/s)</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-            f'font-size="12"><rect width="100%" height="100%" fill="white"/>'
-            f'<text x="10" y="24" font-size="14" font-weight="bold">{title}</text>'
-            + "".join(parts) + legend + "</svg>\n")
+            if not limit:
+                continue  # the panel says so
+            v = r[who]["gibs"] / limit
+            cut = v > share_max
+            ax.barh(y, min(v, share_max), height=0.38, color=COLORS[who])
+            label = f"{v:.0%} \u00b7 {r[who]['gibs']:.1f} GiB/s"
+            if cut:  # a white gap near the end breaks the bar
+                ax.barh(y, 0.012 * share_max, left=0.955 * share_max, height=0.42, color="white")
+                label = f"off the scale: {label} \u2192"
+            inside = min(v, share_max) > 0.55 * share_max
+            ax.text((0.94 if cut else 0.99) * min(v, share_max) if inside else v + 0.01 * share_max, y, label,
+                    va="center", ha="right" if inside else "left", fontsize=8.5, color="white" if inside else "black",
+                    fontweight="bold" if inside else None)
+    if not limit:
+        ax.text(0.5, 0.5, "the machine's limit was not measured", transform=ax.transAxes, ha="center",
+                va="center", color="dimgray")
+    ax.set_title(share_title(state, limit), fontsize=11, loc="left")
+    ax.set_xlabel("rate / the machine's limit (100%: the dashed line)")
+    ax.grid(axis="x", color="#e0e0e0", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.tick_params(axis="y", left=False)
+
+
+def chart(rows: List[Dict[str, Any]], title: str) -> Any:
+    """The chart of ``rows`` (a matplotlib ``Figure``, no pyplot state): one row of panels per cache
+    state. Left: safeload / 0.8 per job on a log axis around 1 (a bar right of 1: safeload faster).
+    Right: each side's rate as a share of that state's machine limit, the limit a dashed line at 100%.
+    Ratios and shares, not GiB/s: a warm map's tens of GiB/s would flatten every cold bar. Below:
+    the legend, what the limit is, and what each job does."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    states = [s for s in STATES if any(r["state"] == s for r in rows)]
+    jobs = [j for j in JOBS if any(r["job"] == j for r in rows)]
+    by_key = {(r["state"], r["job"]): r for r in rows}
+    # both states share each axis: the longest ratio bar leaves room for its label; shares end at
+    # SHARE_AXIS_MAX, or sooner when every bar is shorter
+    fold = max([2.0] + [max(r["ratio"], 1 / r["ratio"]) ** 1.45 for r in rows if r["ratio"]])
+    shares = [r[who]["gibs"] / r["limit_gibs"] for r in rows for who in ("safetensors", "safeload")
+              if r[who] and r["limit_gibs"]]
+    share_max = min(SHARE_AXIS_MAX, max([1.15] + [v * 1.3 for v in shares]))
+    notes = ["The machine's limit: warm, parallel preadv copying from the page cache; cold, parallel preadv "
+             "from the disk, buffered or O_DIRECT, the faster.",
+             "A map copies nothing, so a warm map can pass the limit: its bar is broken at the axis's end "
+             "and its label says where it would end."]
+    notes += [f"{j}: {d}" for j, (d, _, _) in JOBS.items() if j in jobs]
+
+    panels_h, key_h = 0.6 + 2.3 * max(len(states), 1), 0.45 + 0.19 * len(notes)  # inches
+    fig = Figure(figsize=(12.5, panels_h + key_h), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, key = fig.subfigures(2, 1, height_ratios=(panels_h, key_h))
+    axes = top.subplots(max(len(states), 1), 2, squeeze=False, sharey=True, gridspec_kw={"width_ratios": (1, 1.25)})
+    top.suptitle(title, fontsize=13, fontweight="bold")
+    for (ax_ratio, ax_share), state in zip(axes, states):
+        _ratio_panel(ax_ratio, state, jobs, by_key, fold)
+        _share_panel(ax_share, state, jobs, by_key, share_max)
+    axes[0][0].set_yticks(range(len(jobs)), jobs, fontsize=10)
+    axes[0][0].set_ylim(len(jobs) - 0.5, -0.5)  # the first job on top
+    key.legend(handles=[Patch(color=COLORS["safetensors"], label="safetensors 0.8"),
+                        Patch(color=COLORS["safeload"], label="safeload"),
+                        Line2D([], [], color=COLORS["limit"], linestyle="--", label="the machine's limit"),
+                        Line2D([], [], color="black", label="1\u00d7: as fast as 0.8")],
+               loc="upper center", ncol=4, frameon=False, fontsize=10)
+    key.text(0.01, 1 - 0.42 / key_h, "\n".join(notes), ha="left", va="top", fontsize=8.5, color="dimgray",
+             linespacing=1.4)
+    return fig
+
+
+def write_chart(rows: List[Dict[str, Any]], title: str, out_dir: str) -> List[str]:
+    """``chart(rows, title)`` as PNG and SVG (its text kept as text: searchable, and tests read it)
+    under ``out_dir``; the paths written."""
+    import matplotlib
+
+    fig = chart(rows, title)
+    paths = [os.path.join(out_dir, name) for name in CHART_FILES]
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "main-job"}):
+        for path in paths:
+            fig.savefig(path, dpi=150, facecolor="white", bbox_inches="tight", pad_inches=0.15,
+                        metadata={"Date": None} if path.endswith(".svg") else None)
+    return paths
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,6 +381,10 @@ def run(args: argparse.Namespace) -> int:
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
                        ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
+    try:
+        import matplotlib  # noqa: F401 - the chart: checked before minutes of measuring, not after
+    except ImportError:
+        raise SystemExit("the main job's chart needs matplotlib: pip install matplotlib") from None
     import torch  # noqa: F401 - imported once, here, before any clock: every child inherits it
     import safetensors.torch  # noqa: F401
     import tqdm
@@ -318,14 +429,13 @@ def run(args: argparse.Namespace) -> int:
     text = render(rows, meta)
     sys.stdout.write(text)
     os.makedirs(args.out, exist_ok=True)
-    chart = os.path.join(args.out, "main-job.svg")
-    with open(chart, "w", encoding="utf-8") as f:
-        f.write(svg_chart(rows, f"safeload vs safetensors 0.8, {meta['sample_gib']:.2f} GiB sample (GiB/s)"))
+    charts = write_chart(rows, f"safeload vs safetensors 0.8: {meta['sample_gib']:.2f} GiB sample, medians of "
+                         f"{args.rounds} round{'s' if args.rounds > 1 else ''}", args.out)
     with open(os.path.join(args.out, "main-job.md"), "w", encoding="utf-8") as f:
         f.write(text)
     with open(os.path.join(args.out, "main-job.json"), "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1)
-    bench._log(f"wrote {chart}, main-job.md and main-job.json in {args.out}")
+    bench._log(f"wrote {', '.join(os.path.basename(c) for c in charts)}, main-job.md and main-job.json in {args.out}")
     failed = [r for r in runs if "error" in r]
     return 1 if failed or "error" in verify or not all(verify.values()) else 0
 

@@ -1,7 +1,8 @@
 """benches/main_job.py end to end (README's first command): a tiny sample in a smoke run
 (``--benchmark-disable``, CI), the small one otherwise, one round. Checks that every contender
 loaded in both cache states, that safeload's tensors (and the patched model's weights) equal
-safetensors 0.8's, and that the table, the JSON and the SVG chart are written and agree."""
+safetensors 0.8's, and that the table, the JSON and the chart (PNG and SVG) are written and agree.
+The chart alone, from made-up rows shaped like a real run's, is checked without measuring anything."""
 
 from __future__ import annotations
 
@@ -10,10 +11,74 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from typing import Any, Dict, List, Optional
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SVG_TEXT = "{http://www.w3.org/2000/svg}text"
+JOB_NAMES = ("load_file", "pread", "get_tensor loop", "from_pretrained")
+
+
+def main_job() -> Any:
+    """benches/main_job.py as a module (it imports benches/bench.py and e2e.py beside it)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import main_job
+
+    return main_job
+
+
+def svg_texts(path: Any) -> List[str]:
+    """The SVG's text elements (the chart keeps text as text; each line of a multi-line text is its
+    own element)."""
+    root = ET.parse(path).getroot()
+    return ["".join(t.itertext()) for t in root.iter(SVG_TEXT)]
+
+
+def assert_png(path: Any) -> None:
+    from matplotlib import image  # the main job draws with matplotlib: a missing one fails, not skips
+
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(str(path))
+    assert pixels.ndim == 3 and pixels.shape[0] > 400 and pixels.shape[1] > 800, pixels.shape
+    assert pixels.min() < pixels.max()  # something is drawn
+
+
+def side(gibs: float) -> Dict[str, float]:
+    return {"gibs": gibs, "seconds": 1.0 / gibs, "peak_rss_gib": 1.0, "runs": 1}
+
+
+def row(state: str, job: str, st: Optional[float], sl: Optional[float], limit: Optional[float]) -> Dict[str, Any]:
+    """A row as main_job.summarize writes it."""
+    return {"state": state, "job": job, "safetensors": side(st) if st else None, "safeload": side(sl) if sl else None,
+            "limit_gibs": limit, "ratio": sl / st if st and sl else None,
+            "of_limit": sl / limit if sl and limit else None}
+
+
+def test_chart_shows_ratios_and_shares_of_the_limit_per_state(tmp_path):
+    """Rows shaped like issue 53's run: warm maps at 80-90 GiB/s past a 10 GiB/s copy limit, cold
+    rows near 1 GiB/s, one cold side that failed, a ratio below 1."""
+    mj = main_job()
+    rows = [row("warm", "load_file", 79.0, 89.0, 10.0), row("warm", "pread", 4.0, 9.0, 10.0),
+            row("warm", "get_tensor loop", 2.5, 8.5, 10.0), row("warm", "from_pretrained", 3.0, 6.0, 10.0),
+            row("cold", "load_file", 0.9, 1.3, 1.6), row("cold", "pread", 1.2, 1.0, 1.6),
+            row("cold", "get_tensor loop", 0.8, 1.4, 1.6), row("cold", "from_pretrained", None, 1.1, 1.6)]
+    paths = mj.write_chart(rows, "safeload vs safetensors 0.8: test rows", str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["main-job.png", "main-job.svg"]
+    assert_png(tmp_path / "main-job.png")
+    texts = svg_texts(tmp_path / "main-job.svg")
+    for state, limit in (("warm", 10.0), ("cold", 1.6)):
+        assert mj.ratio_title(state) in texts and mj.share_title(state, limit) in texts
+    assert "Warm (files in the page cache): safeload / 0.8" in texts
+    assert "Cold: each side as % of the machine's limit (1.60 GiB/s)" in texts
+    assert all(texts.count(job) == 2 for job in JOB_NAMES), texts  # the y labels, once per state
+    assert {"1.13\u00d7", "2.25\u00d7", "0.83\u00d7", "1.75\u00d7"} <= set(texts)  # ratios, below 1 included
+    assert "81% \u00b7 1.3 GiB/s" in texts and "no result" in texts  # a cold share; the failed side says so
+    assert "off the scale: 890% \u00b7 89.0 GiB/s \u2192" in texts  # a warm map past the axis: its value printed
+    assert {"safetensors 0.8", "safeload", "the machine's limit"} <= set(texts)  # the legend
+    assert "safeload vs safetensors 0.8: test rows" in texts
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the main job forks its measurements")
@@ -41,6 +106,12 @@ def test_main_job_writes_table_json_and_chart(tiny, tmp_path):
     assert {r["bytes"] for r in loads} == {data_bytes}  # every tensor of every shard, each time
     table = (out / "main-job.md").read_text()
     assert table in p.stdout and table.count("\n| warm |") == 4 and table.count("\n| cold |") == 4
-    svg = ET.parse(out / "main-job.svg").getroot()
-    labels = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
-    assert "warm · from_pretrained" in labels and "cold · get_tensor loop" in labels
+    assert_png(out / "main-job.png")
+    texts = svg_texts(out / "main-job.svg")
+    assert all(job in texts for job in JOB_NAMES), texts
+    mj = main_job()
+    limits = {r["state"]: r["limit_gibs"] for r in result["rows"]}
+    for state in ("warm", "cold"):
+        assert mj.ratio_title(state) in texts and mj.share_title(state, limits[state]) in texts
+    for r in result["rows"]:  # every ratio of the table is on the chart
+        assert f"{r['ratio']:.2f}\u00d7" in texts
