@@ -475,7 +475,12 @@ def _worker_measure(spec: Dict[str, Any]) -> Dict[str, Any]:
         try:
             from safeload import _safeload
 
-            out["fs_kind"] = ",".join(sorted({_safeload._testing.residency(f)[1] for f in files}))
+            kinds = set()
+            for f in files:
+                h = _safeload.Handle(f)
+                kinds.add(h.storage)
+                h.close()
+            out["fs_kind"] = ",".join(sorted(kinds))
         except Exception as e:  # noqa: BLE001 - informational only
             out["fs_kind"] = f"? ({type(e).__name__}: {e})"
     out["rss_before_kib"] = _rss_kib()

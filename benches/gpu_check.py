@@ -15,6 +15,10 @@ safetensors 0.8 to CUDA, pinned host-to-device copies alone, the engine's read i
 ring alone, and safeload's warm CPU read, with ratios, the byte-equality result and the peak pinned
 staging bytes. Exits 1 when bytes differ or pinned staging exceeds the ring plus one chunk, 2 when
 the machine has no CUDA device (a clear message, no traceback).
+
+It times the engine's read into the staging ring with the ring's own planner, a test helper: run
+it on an install built with the `testing` feature (what `.ci/run` installs:
+``pip install -e '.[test]' --config-settings=build-args='--features python,testing'``).
 """
 
 from __future__ import annotations
@@ -339,6 +343,9 @@ def main(argv=None) -> int:
     parser.add_argument("--self-check", action="store_true",
                         help="no GPU needed: the staging loader through a deferring CPU sink")
     args = parser.parse_args(argv)
+    if not hasattr(_safeload, "_testing"):
+        parser.error("needs safeload built with the testing feature: pip install -e '.[test]' "
+                     "--config-settings=build-args='--features python,testing'")
     try:
         ring = _safeload._testing.parse_ring(args.ring)
     except ValueError as e:

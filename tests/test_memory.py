@@ -99,6 +99,7 @@ def test_without_a_limit_nothing_changes(big_file):
     assert out["auto_backend"] == "direct"  # the cold large file, when it fits
 
 
+@pytest.mark.usefixtures("testing")  # the child calls _testing.set_cgroup_root
 def test_cgroup_limit_from_a_fixture_tree(big_file, tmp_path):
     root = tmp_path / "root"
     cg = root / "sys/fs/cgroup/pod/ctr"

@@ -17,7 +17,7 @@ import torch
 import safetensors.torch as st_torch
 
 import safeload
-from safeload import SafetensorError, _device, _prefetch, _safeload
+from safeload import SafetensorError, _device, _prefetch
 
 from conftest import (
     CUT_OFF,
@@ -99,7 +99,7 @@ def test_vllm_shape_yield_from_loader(write_st):
 
 
 @pytest.mark.parametrize("backend", ["pread", "mmap"])
-def test_rank_plans_read_only_their_rows(write_st, backend):
+def test_rank_plans_read_only_their_rows(write_st, backend, testing):
     """transformers' per-device loaders: each rank's rows of the 2-d tensors, the 1-d ones whole.
     Each loader reads exactly the bytes of its plan, and holds no more than its budget."""
     tensors = {f"layer{i}.weight": make_tensor("BF16", (96, 64), i) for i in range(6)}
@@ -127,7 +127,7 @@ def test_rank_plans_read_only_their_rows(write_st, backend):
                     assert loader.held_bytes <= budget
                 # A map of a file in the page cache (this one, just written) reads nothing: its
                 # views need no read-ahead, as get_tensors' need none (the handle's stats say 0).
-                mapped = f.stats.backend == "mmap" and _safeload._testing.residency(path)[0] >= 0.99
+                mapped = f.stats.backend == "mmap" and testing.residency(path)[0] >= 0.99
                 assert loader.bytes_read == (0 if mapped else expected)
 
 
@@ -295,7 +295,7 @@ def _container_headroom(root, headroom: int) -> None:
 
 
 @pytest.mark.parametrize("headroom_gib", [2, 6])
-def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_path, headroom_gib):
+def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_path, headroom_gib, testing):
     """No budget given: 1 GiB of staging for CUDA, 4 GiB of final memory otherwise, each at most
     a quarter of what the process may take (here a container's fixed headroom);
     SAFELOAD_PREFETCH_BYTES replaces both."""
@@ -307,7 +307,7 @@ def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_pat
     path = write_st(mixed_tensors(7))
     _container_headroom(tmp_path / "root", headroom_gib << 30)
     quarter = (headroom_gib << 30) // 4
-    _safeload._testing.set_cgroup_root(str(tmp_path / "root"))
+    testing.set_cgroup_root(str(tmp_path / "root"))
     try:
         with safeload.safe_open(path, "pt") as f:
             with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
@@ -317,7 +317,7 @@ def test_default_budgets_staging_and_final_memory(write_st, monkeypatch, tmp_pat
             with f.prefetch(device="cuda:0") as cuda, f.prefetch() as cpu:
                 assert cuda.budget_bytes == cpu.budget_bytes == 3 << 20
     finally:
-        _safeload._testing.set_cgroup_root("/")
+        testing.set_cgroup_root("/")
 
 
 def test_patched_safetensors_has_prefetch(write_st):

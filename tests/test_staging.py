@@ -64,9 +64,9 @@ def check_order(log):
 Info = collections.namedtuple("Info", "name dtype shape begin end")
 
 
-def plan_spans(infos, buffer_bytes):
+def plan_spans(testing, infos, buffer_bytes):
     """The reader's staging plan of ``infos`` (what ``staging_plan`` makes per file)."""
-    return _safeload._testing.staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes)
+    return testing.staging_fills([(i.name, i.begin, i.end) for i in infos], buffer_bytes)
 
 
 def check_plan(infos, buffer_bytes, fills):
@@ -112,8 +112,8 @@ def layouts(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(layouts(), st.integers(1, 700))
-def test_plan_covers_every_byte_once(infos, buffer_bytes):
-    fills = plan_spans(infos, buffer_bytes)
+def test_plan_covers_every_byte_once(testing, infos, buffer_bytes):
+    fills = plan_spans(testing, infos, buffer_bytes)
     check_plan(infos, buffer_bytes, fills)
     total = sum(e - b for _, _, _, b, e in infos)
     assert sum(f.length for f in fills) == total
@@ -121,10 +121,10 @@ def test_plan_covers_every_byte_once(infos, buffer_bytes):
     assert all(f.length == buffer_bytes for f in fills[:-1])
 
 
-def test_plan_packs_small_and_splits_large():
+def test_plan_packs_small_and_splits_large(testing):
     infos = [Info("a", "U8", [10], 0, 10), Info("b", "U8", [10], 10, 20), Info("c", "U8", [250], 20, 270),
              Info("z", "U8", [0], 270, 270), Info("d", "U8", [5], 300, 305)]
-    fills = plan_spans(infos, 100)
+    fills = plan_spans(testing, infos, 100)
     assert [f.length for f in fills] == [100, 100, 75]
     assert fills[0].reads == [(0, 100, 0)]
     assert fills[0].copies == [("a", 0, 0, 10), ("b", 0, 10, 10), ("c", 0, 20, 80)]
@@ -132,19 +132,19 @@ def test_plan_packs_small_and_splits_large():
     assert fills[2].reads == [(200, 70, 0), (300, 5, 70)]  # gap: a second read, same buffer
     assert fills[2].copies == [("c", 180, 0, 70), ("d", 0, 70, 5)]
     assert fills[0].offset == 0 and fills[2].offset == 200
-    assert plan_spans([Info("z", "U8", [0], 0, 0)], 100) == []
+    assert plan_spans(testing, [Info("z", "U8", [0], 0, 0)], 100) == []
     with pytest.raises(ValueError):
-        plan_spans(infos, 0)
+        plan_spans(testing, infos, 0)
 
 
-def test_parse_ring_and_env(monkeypatch):
-    assert _safeload._testing.parse_ring("4x64MiB") == (4, 64 << 20)
-    assert _safeload._testing.parse_ring("2 x 256M") == (2, 256 << 20)
-    assert _safeload._testing.parse_ring("8x4096") == (8, 4096)
-    assert _safeload._testing.parse_ring("1x1GiB") == (1, 1 << 30)
+def test_parse_ring_and_env(monkeypatch, testing):
+    assert testing.parse_ring("4x64MiB") == (4, 64 << 20)
+    assert testing.parse_ring("2 x 256M") == (2, 256 << 20)
+    assert testing.parse_ring("8x4096") == (8, 4096)
+    assert testing.parse_ring("1x1GiB") == (1, 1 << 30)
     for bad in ("", "4", "0x64MiB", "4x0", "x64MiB", "4x64PB"):
         with pytest.raises(ValueError):
-            _safeload._testing.parse_ring(bad)
+            testing.parse_ring(bad)
     monkeypatch.delenv(_staging.RING_ENV, raising=False)
     assert _safeload.staging_ring() == (4, 64 << 20)
     monkeypatch.setenv(_staging.RING_ENV, "3x1KiB")

@@ -10,12 +10,9 @@ import torch
 
 import safeload
 import safeload.torch as sl
-from safeload._safeload import _testing
 from conftest import raw_bytes
 
 import slowfs  # tests/support/slowfs.py, on sys.path through conftest
-
-residency = _testing.residency
 
 FUSE_SKIP = slowfs.fuse_unavailable()
 
@@ -53,14 +50,12 @@ def assert_equal(got, want):
         assert raw_bytes(got[k]) == raw_bytes(want[k]), k
 
 
-local_is_block = residency(__file__)[1] == "local"
-
-
-@pytest.mark.skipif(not local_is_block, reason="temporary files are not on a local block filesystem")
-def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypatch):
+def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypatch, testing):
+    if testing.residency(__file__)[1] != "local":
+        pytest.skip("temporary files are not on a local block filesystem")
     _, path, want = sample
     evict(path)
-    assert residency(path)[0] < 0.5
+    assert testing.residency(path)[0] < 0.5
     with safeload.safe_open(path, "pt") as f:
         assert f.backend == "mmap"  # cold but small next to free memory: mapped, as 0.8's default
     monkeypatch.setenv("SAFELOAD_DIRECT_ABOVE", "1000")  # as if the file did not fit in memory
@@ -68,7 +63,7 @@ def test_auto_reads_cold_files_too_big_for_memory_with_o_direct(sample, monkeypa
         assert f.backend == "direct"
         assert_equal(f.get_tensors(), want)
         assert f.stats.bytes_read == sum(t.numel() * t.element_size() for t in want.values())
-    assert residency(path)[0] < 0.5  # O_DIRECT left the page cache alone
+    assert testing.residency(path)[0] < 0.5  # O_DIRECT left the page cache alone
     warm(path)
     with safeload.safe_open(path, "pt") as f:
         assert f.backend == "mmap"  # warm: the page cache, mapped
@@ -100,13 +95,13 @@ def test_environment_variable_replaces_the_default(sample, monkeypatch):
         safeload.safe_open(path, "pt", backend=1)
 
 
-def test_drop_cache_leaves_file_uncached(sample):
+def test_drop_cache_leaves_file_uncached(sample, testing):
     _, path, want = sample
     warm(path)
-    assert residency(path)[0] > 0.9
+    assert testing.residency(path)[0] > 0.9
     with safeload.safe_open(path, "pt", backend="pread", drop_cache=True) as f:
         assert_equal(f.get_tensors(), want)
-    assert residency(path)[0] < 0.5
+    assert testing.residency(path)[0] < 0.5
 
 
 def test_direct_falls_back_visibly_where_refused(tmp_path, sample):
@@ -172,14 +167,14 @@ def test_fuse_mount_refusing_o_direct_falls_back_to_buffered(mount, sample):
             assert f.backend == "pread"  # refused at open: read buffered, and says so
 
 
-def test_fuse_warm_file_is_copied_from_the_cache(mount, sample):
+def test_fuse_warm_file_is_copied_from_the_cache(mount, sample, testing):
     _, _, want = sample
     with mount("--keep-cache") as m:  # else every open drops the file's pages (FUSE default)
         path = os.path.join(m, "model.safetensors")
         with open(path, "rb") as f:
             while f.read(1 << 20):
                 pass
-        assert residency(path)[0] > 0.5
+        assert testing.residency(path)[0] > 0.5
         with safeload.safe_open(path, "pt") as f:
             assert f.backend == "pread"
             assert_equal(f.get_tensors(), want)

@@ -1,13 +1,17 @@
 """The cross-built abi3 wheels of `.ci/wheels` (in dist/, or $SAFELOAD_WHEELS): the macOS
 extensions are Mach-O libraries of the right CPU that import no Linux-only symbol, the Windows
 one is a PE x86-64 DLL importing the stable ABI's python3.dll. The binaries' headers and symbol
-tables are read here, with no tool. `.ci/run` builds the macOS arm64 wheel before the tests; a
-wheel that was not built is skipped, saying so."""
+tables are read here, with no tool. No wheel has the test-only helpers (cargo feature `testing`).
+`.ci/run` builds every wheel before the tests; a wheel that was not built is skipped, saying so."""
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
@@ -40,6 +44,12 @@ LINUX_ONLY = {
     "mremap",
     "getrandom",
 }
+
+# The functions of `safeload._safeload._testing` (src/py/testing.rs, cargo feature `testing`) as
+# pyo3 names them to Python: NUL-terminated (PyMethodDef.ml_name), which no Rust string or
+# mangled symbol is, so a wheel built without the feature has none of them.
+TESTING_ONLY = [b"convert_bytes\0", b"parse_ring\0", b"residency\0", b"set_cgroup_root\0", b"readahead_bytes\0"]
+LINUX_TAG = "manylinux*_x86_64"  # manylinux2014 (maturin names it twice, in either order)
 
 MH_MAGIC_64 = 0xFEEDFACF
 CPU_ARM64 = 0x0100000C
@@ -175,3 +185,41 @@ def test_wheels_are_abi3_for_three_oses() -> None:
             files = z.namelist()
         assert "safeload/_frameworks.py" in files and "safeload_autopatch.pth" in files, name
         assert not [f for f in files if "cpython-" in f], f"a version-specific extension in {name}"
+
+
+@pytest.mark.parametrize(
+    "tag, suffix",
+    [(LINUX_TAG, ".abi3.so"), ("macosx_11_0_arm64", ".abi3.so"), ("macosx_10_12_x86_64", ".abi3.so"),
+     ("win_amd64", ".pyd")],
+)
+def test_wheels_leave_out_the_test_helpers(tag: str, suffix: str) -> None:
+    data = extension(wheel(tag), suffix)
+    assert b"memory_info\0" in data  # a function every build has, named as the helpers would be
+    assert not [name for name in TESTING_ONLY if name in data]
+
+
+# Loads the extension alone (not the installed package, which has the helpers), as a user's
+# `import safeload` would, and lists what it offers.
+LIST_NAMES = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("safeload._safeload", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(json.dumps({"module": sorted(vars(module)), "Handle": sorted(vars(module.Handle)),
+                  "Bytes": sorted(vars(module.Bytes))}))
+"""
+
+
+def test_linux_wheel_imports_without_the_test_helpers(tmp_path: Path) -> None:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("the Linux wheel is for x86_64 Linux")
+    so = tmp_path / "_safeload.abi3.so"
+    so.write_bytes(extension(wheel(LINUX_TAG), ".abi3.so"))
+    proc = subprocess.run([sys.executable, "-c", LIST_NAMES, str(so)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = json.loads(proc.stdout)
+    assert {"Handle", "Bytes", "memory_info"} <= set(names["module"]), names["module"]
+    assert "_testing" not in names["module"]
+    assert "readahead_bytes" not in names["Handle"]
+    assert "address" not in names["Bytes"]

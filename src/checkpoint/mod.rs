@@ -22,10 +22,11 @@ use crate::strategy::{self, Backend, Purpose, Strategy};
 mod pinned;
 pub use pinned::Verified;
 
-/// What one read did: the backend that ran, its workers and request size, the bytes it moved.
+/// What one read did: the strategy that ran (the backend asked for, resolved), its workers and
+/// request size, the bytes it moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReadStats {
-    pub backend: Strategy,
+    pub strategy: Strategy,
     pub threads: usize,
     pub chunk_bytes: usize,
     pub bytes: u64,
@@ -271,13 +272,13 @@ impl Checkpoint {
             self.direct_refused.store(true, Ordering::Relaxed);
         }
         let stats = self.stats(backend, report);
-        self.totals.add(stats.backend, report);
+        self.totals.add(stats.strategy, report);
         stats
     }
 
     fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
         ReadStats {
-            backend: report.ran_with(backend),
+            strategy: report.ran_with(backend),
             threads: report.threads,
             chunk_bytes: self.chunk_bytes,
             bytes: report.bytes,
@@ -459,7 +460,7 @@ mod tests {
 
         // New memory, BF16 converted to F32, others untouched.
         let (out, stats) = ckpt.read(&all, Some(Dtype::F32), &mut || false).unwrap();
-        assert_eq!(stats.backend, Strategy::Pread);
+        assert_eq!(stats.strategy, Strategy::Pread);
         assert_eq!(out[0].1, Dtype::F32);
         assert!(
             out[0]

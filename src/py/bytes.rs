@@ -278,12 +278,6 @@ impl Bytes {
         )))
     }
 
-    /// Address of the first byte (for tests of alignment and ownership).
-    #[getter]
-    fn address(&self) -> usize {
-        self.inner.as_mut_ptr() as usize
-    }
-
     /// A DLPack capsule of the bytes as a C-contiguous tensor of format dtype `code` (one DLPack
     /// describes exactly: not F4 / F6; fp8 for consumers that know DLPack 1.1's codes) and
     /// `shape`, which must cover the bytes exactly.

@@ -163,7 +163,7 @@ impl Checkpoint {
         let (read, s) = detached(py, |poll| c.read(&picked, dtype, poll))?;
         // Views of maps: every shard's pages are made resident ahead of the caller's touches,
         // as a handle's `get_tensors()` does (not when read into memory, converting).
-        if names.is_none() && s.backend == Strategy::Mmap {
+        if names.is_none() && s.strategy == Strategy::Mmap {
             readahead::populate_in_background(ckpt.shards.clone(), ckpt.tally(), ckpt.options());
         }
         Ok((tuples(&picked, read), Stats::from(s)))

@@ -17,6 +17,7 @@ mod shares;
 mod staging;
 mod stats;
 mod stream;
+#[cfg(feature = "testing")]
 mod testing;
 mod write;
 
@@ -134,6 +135,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
-    m.setattr("_testing", testing::module(m.py())?)?; // not in __all__: not the API
+    // Test-only helpers: built with cargo feature `testing` (.ci/run's install), not in wheels.
+    #[cfg(feature = "testing")]
+    m.setattr("_testing", testing::module(m.py())?)?;
     Ok(())
 }

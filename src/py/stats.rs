@@ -29,7 +29,7 @@ pub struct Stats {
 impl From<ReadStats> for Stats {
     fn from(s: ReadStats) -> Self {
         Stats {
-            backend: s.backend.name().to_string(),
+            backend: s.strategy.name().to_string(),
             threads: s.threads,
             chunk_bytes: s.chunk_bytes,
             bytes_read: s.bytes,

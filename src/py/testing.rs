@@ -1,7 +1,9 @@
 //! `safeload._safeload._testing`: the core's parts one at a time, for tests and benches (a
 //! conversion on a bytes object to compare with torch bit for bit, staging plans, ring sizes,
-//! page-cache residency, cgroup limits read from a fixture tree). The package does not use them
-//! and they are not its API: `_safeload` exports only what the package calls.
+//! page-cache residency, cgroup limits read from a fixture tree, what a handle's read-ahead
+//! holds). The package does not use them and they are not its API: built only with cargo
+//! feature `testing` (`.ci/run` installs so for the tests), never into the wheels, since
+//! `set_cgroup_root` changes what every later load in the process sees.
 
 use std::path::PathBuf;
 
@@ -9,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use super::handle::Handle;
 use crate::convert;
 use crate::dtype::Dtype;
 use crate::error::Error;
@@ -20,6 +23,7 @@ pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(parse_ring, &m)?)?;
     m.add_function(wrap_pyfunction!(residency, &m)?)?;
     m.add_function(wrap_pyfunction!(set_cgroup_root, &m)?)?;
+    m.add_function(wrap_pyfunction!(readahead_bytes, &m)?)?;
     m.add_function(wrap_pyfunction!(super::staging::staging_fills, &m)?)?;
     Ok(m)
 }
@@ -79,4 +83,11 @@ fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
 #[pyfunction]
 fn set_cgroup_root(root: PathBuf) {
     crate::memory::set_cgroup_root(&root);
+}
+
+/// Bytes `handle`'s read-ahead holds for tensors not asked for yet (owned memory, or page cache
+/// under mmap).
+#[pyfunction]
+fn readahead_bytes(handle: &Handle) -> u64 {
+    handle.readahead_bytes()
 }

@@ -230,7 +230,7 @@ mod tests {
                         let all = ckpt.select(None).unwrap();
                         for batch in Checkpoint::batches(&all, batch_bytes) {
                             let (_, stats) = ckpt.read(&batch, dtype, &mut || false).unwrap();
-                            ran_as(asked, stats.backend);
+                            ran_as(asked, stats.strategy);
                         }
                         assert_eq!(ckpt.digests().unwrap(), [want], "{case}");
                     }

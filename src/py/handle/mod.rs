@@ -95,6 +95,16 @@ impl Handle {
             ckpt.totals_unprobed()
         }
     }
+
+    /// Bytes the read-ahead holds for tensors not asked for yet (owned memory, or page cache
+    /// under mmap): `_testing.readahead_bytes`, for tests that bound it.
+    #[cfg(feature = "testing")]
+    pub(super) fn readahead_bytes(&self) -> u64 {
+        match self.ahead.get() {
+            Some(Some(a)) => a.held_bytes(),
+            _ => 0,
+        }
+    }
 }
 
 #[pymethods]
@@ -149,7 +159,7 @@ impl Handle {
     /// will be read with.
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
-        Ok(self.ckpt()?.totals().backend.name())
+        Ok(self.ckpt()?.totals().strategy.name())
     }
 
     /// The filesystem kind the file lives on ("local", "memory", "fuse", "nfs", ...).
@@ -162,16 +172,6 @@ impl Handle {
     /// the most workers a read used, the request size, bytes, seconds, the filesystem kind.
     fn stats(&self) -> Stats {
         Stats::from(self.latest())
-    }
-
-    /// Bytes the read-ahead holds for tensors not asked for yet (owned memory, or page cache
-    /// under mmap).
-    #[getter]
-    fn readahead_bytes(&self) -> u64 {
-        match self.ahead.get() {
-            Some(Some(a)) => a.held_bytes(),
-            _ => 0,
-        }
     }
 
     #[getter]

@@ -97,5 +97,5 @@ fn read_entries(
         .zip(buffers)
         .map(|((_, t), (b, d))| (t.name.clone(), d.code(), t.shape.clone(), Bytes::new(b)))
         .collect();
-    Ok((tuples, stats.backend))
+    Ok((tuples, stats.strategy))
 }
