@@ -1,4 +1,4 @@
-"""dtype conversion on the way (src/convert.rs) against torch's CPU ``Tensor.to``, bit for bit:
+"""dtype conversion on the way (src/format/convert.rs) against torch's CPU ``Tensor.to``, bit for bit:
 every F16 and BF16 pattern, and millions of F32 patterns (ties at every rounding position,
 overflow, subnormals, signed zeros, infinities, NaNs with payloads)."""
 
@@ -21,7 +21,7 @@ SIGNED = {4: np.int32, 2: np.int16}
 EXP_MASK = {"F32": 0x7F80_0000, "F16": 0x7C00, "BF16": 0x7F80}
 MAN_MASK = {"F32": 0x007F_FFFF, "F16": 0x03FF, "BF16": 0x007F}
 
-# torch's vectorized x86 kernels (what src/convert.rs matches) decide the bits of NaNs; built
+# torch's vectorized x86 kernels (what src/format/convert.rs matches) decide the bits of NaNs; built
 # without them (ATEN_CPU_CAPABILITY=default, other CPUs) torch writes other NaN bits, so there
 # only NaN-ness is compared for NaN results.
 VECTOR_KERNELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

@@ -70,32 +70,48 @@ def _code(text: str) -> str:
     return re.sub(r"//.*", "", text)
 
 
+#: The crate's layers, lowest first: a layer's modules may use those of the layers before it
+#: (and of their own), never those after it. ``error`` and ``platform`` sit beneath them all.
+LAYERS = ["format", "storage", "read", "checkpoint", "py"]
+
+
 def crate_graph() -> Dict[str, Set[str]]:
-    """Modules of the crate (``platform`` and ``py`` each one node, ``py``'s files and folders as
-    ``py::name``) and the modules each names (``crate::py::name`` too, as a folder's files do)."""
+    """Modules of the crate and the modules each names. A layer's file or folder is one node
+    (``read::source``, ``format::header``); ``platform`` is one node; ``py``'s files and folders
+    are ``py::name``. Uses are ``crate::layer::module`` paths (and ``super::``/``crate::py::``
+    within ``py``)."""
     files: Dict[str, List[pathlib.Path]] = {}
     for path in CRATE.rglob("*.rs"):
-        rel = path.relative_to(CRATE).with_suffix("")
-        parts = rel.parts
-        if parts[0] == "py" and len(parts) > 2:
-            node = "py::" + parts[1]
-        elif parts[0] == "py" and parts[-1] != "mod":
-            node = "py::" + parts[-1]
+        parts = path.relative_to(CRATE).with_suffix("").parts
+        if parts[0] in LAYERS and len(parts) > 1 and parts[1] != "mod":
+            node = f"{parts[0]}::{parts[1]}"
         else:
             node = parts[0]
         files.setdefault(node, []).append(path)
-    top = {n for n in files if "::" not in n}
     edges: Dict[str, Set[str]] = {}
     for node, paths in files.items():
         text = "".join(_code(p.read_text()) for p in paths)
-        used = {m for m in re.findall(r"\bcrate::(\w+)", text) if m in top}
+        used = set()
+        for first, second in re.findall(r"\bcrate::(\w+)(?:::(\w+))?", text):
+            if f"{first}::{second}" in files:
+                used.add(f"{first}::{second}")
+            elif first in files:
+                used.add(first)
         if node.startswith("py::"):
             used |= {"py::" + m for m in re.findall(r"\b(?:super|crate::py)::(\w+)", text)
                      if "py::" + m in files}
-            used.discard("py")
+        if node.startswith("checkpoint::") or node == "checkpoint":
+            used |= {"checkpoint::" + m for m in re.findall(r"\bsuper::(\w+)", text)
+                     if "checkpoint::" + m in files}
         edges[node] = used - {node, "lib"}
     edges.pop("lib", None)
     return edges
+
+
+def _layer(node: str) -> int:
+    """The layer of a node: -1 beneath them all (error, platform), else its index in LAYERS."""
+    head = node.split("::")[0]
+    return LAYERS.index(head) if head in LAYERS else -1
 
 
 def test_the_finder_sees_a_circle() -> None:
@@ -116,7 +132,20 @@ def test_no_import_circles_in_the_package() -> None:
 
 def test_the_crate_graph_sees_uses() -> None:
     edges = crate_graph()
-    assert "platform" in edges["strategy"] and "readahead" in edges["py::handle"]
+    assert "platform" in edges["read::strategy"] and "read::readahead" in edges["py::handle"]
+    assert "checkpoint::files" in edges["checkpoint::listing"]
+
+
+#: The one module beneath the layers that names some of theirs: the error type wraps the header's
+#: and the manifest's errors and redacts every message (it calls nothing else of theirs).
+ERROR_NAMES = {"format::header", "format::digest", "storage::redact"}
+
+
+def test_each_layer_uses_only_the_layers_beneath_it() -> None:
+    edges = crate_graph()
+    upward = sorted((a, b) for a, used in edges.items() for b in used
+                    if _layer(a) >= 0 and _layer(b) > _layer(a) or _layer(a) == -1 and _layer(b) >= 0)
+    assert [(a, b) for a, b in upward if not (a == "error" and b in ERROR_NAMES)] == []
 
 
 def test_no_import_circles_in_the_crate() -> None:

@@ -1,4 +1,4 @@
-"""Memory a container can predict (safeload's `src/memory.rs`): ``SAFELOAD_MEMORY_LIMIT`` and a
+"""Memory a container can predict (safeload's `src/read/memory.rs`): ``SAFELOAD_MEMORY_LIMIT`` and a
 cgroup limit (a fixture tree under ``_testing.set_cgroup_root``) on real loads, each in a fresh process
 (both are read once per process). Checked: a load into owned memory that cannot fit raises a
 clear MemoryError before reading anything; ``auto`` loads the same file mapped, with 0.8's

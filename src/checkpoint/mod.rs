@@ -1,3 +1,8 @@
+//! The checkpoint layer: which files make a checkpoint (`files`, `listing`), the checkpoint itself
+//! (here), what its files must hash to and the reads that honour it (`verify`, `pinned`,
+//! `record`), its batches (`stream`) and each rank's part (`ranks`). May use every layer below:
+//! `format`, `storage`, `read`, `platform`.
+//!
 //! A checkpoint: one or many shards opened once (headers parsed once, storage probed once), its
 //! tensor table, byte-bounded batches of a selection, and the reads every consumer uses (a
 //! single-file `safe_open` is a one-shard checkpoint): into new memory or into memory the caller
@@ -9,17 +14,25 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::buffer::TensorBytes;
-use crate::digest::Digest;
-use crate::dtype::Dtype;
-use crate::engine::{Report, Tally};
 use crate::error::{Error, Result};
-use crate::header::TensorInfo;
-use crate::slice::SlicePlan;
-use crate::source::{self, ReadOptions, Source, Target, Tensors};
-use crate::strategy::{self, Backend, Purpose, Strategy};
+use crate::format::digest::Digest;
+use crate::format::dtype::Dtype;
+use crate::format::header::TensorInfo;
+use crate::format::slice::SlicePlan;
+use crate::read::buffer::TensorBytes;
+use crate::read::engine::{Report, Tally};
+use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
+use crate::read::strategy::{self, Backend, Purpose, Strategy};
 
+pub(crate) mod files;
+#[cfg(feature = "remote")]
+mod listing;
 mod pinned;
+pub(crate) mod ranks;
+pub(crate) mod record;
+pub(crate) mod stream;
+pub(crate) mod verify;
+
 pub use pinned::Verified;
 
 /// What one read did: the strategy that ran (the backend asked for, resolved), its workers and
@@ -67,12 +80,12 @@ impl Checkpoint {
     }
 
     /// The checkpoint at `at`: a file, a directory, an index.json, a URL or a URL prefix,
-    /// resolved to its shards by `shards`' rule, then opened as [`Checkpoint::open_with`].
+    /// resolved to its shards by `files`' rule, then opened as [`Checkpoint::open_with`].
     pub fn open_at(
         at: &Path,
         backend: Backend,
         opts: ReadOptions,
-        store: &crate::remote::Options,
+        store: &crate::storage::remote::Options,
     ) -> Result<Checkpoint> {
         Self::open_with(&Self::files_at(at, store)?, backend, opts, store)
     }
@@ -90,12 +103,17 @@ impl Checkpoint {
     }
 
     /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
-    /// directory, an index.json, a URL or a URL prefix, by `shards`' rule.
-    pub fn files_at(at: &Path, store: &crate::remote::Options) -> Result<Vec<PathBuf>> {
-        if crate::remote::is_url(at) {
-            crate::remote::checkpoint_urls(at, store)
-        } else {
-            crate::shards::resolve(&crate::shards::Local, at)
+    /// directory, an index.json, a URL or a URL prefix, by `files`' rule.
+    pub fn files_at(at: &Path, store: &crate::storage::remote::Options) -> Result<Vec<PathBuf>> {
+        if !crate::storage::remote::is_url(at) {
+            return files::resolve(&files::Local, at);
+        }
+        #[cfg(feature = "remote")]
+        return listing::checkpoint_urls(at, store);
+        #[cfg(not(feature = "remote"))]
+        {
+            let _ = store;
+            Err(crate::storage::remote::unavailable(at))
         }
     }
 
@@ -107,7 +125,7 @@ impl Checkpoint {
         paths: &[PathBuf],
         backend: Backend,
         opts: ReadOptions,
-        store: &crate::remote::Options,
+        store: &crate::storage::remote::Options,
     ) -> Result<Checkpoint> {
         let backend = backend.check(opts.drop_cache, opts.hash)?;
         let shards = paths
@@ -353,7 +371,7 @@ impl Checkpoint {
             return Ok((part?, stats));
         }
         if strategy == Strategy::Mmap {
-            let part = crate::slice::cut(plan, &source.map_tensor(info)?)?;
+            let part = crate::read::buffer::cut(plan, &source.map_tensor(info)?)?;
             return Ok((part, self.record(strategy, &Report::default())));
         }
         let (bytes, report) = source.read_slice(info, plan, strategy, &self.opts, poll)?;
@@ -404,7 +422,7 @@ fn sources(shards: &[Arc<Source>]) -> Vec<&Source> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serialize;
+    use crate::format::serialize;
 
     fn write(path: &std::path::Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
         let mut specs: Vec<serialize::TensorIn<'_>> = tensors

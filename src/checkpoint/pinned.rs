@@ -17,19 +17,19 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
 use super::{Checkpoint, Entry};
-use crate::buffer::TensorBytes;
-use crate::digest::Digest;
-use crate::dtype::Dtype;
-use crate::engine::Report;
+use crate::checkpoint::record::Record;
+use crate::checkpoint::verify::{self, Expected, Pin};
 use crate::error::{Error, Result};
-use crate::header::TensorInfo;
+use crate::format::digest::Digest;
+use crate::format::dtype::Dtype;
+use crate::format::header::TensorInfo;
+use crate::format::slice::SlicePlan;
 use crate::platform::FileIdentity;
-use crate::record::Record;
-use crate::slice::SlicePlan;
-use crate::source::{self, ReadOptions, Target, Tensors};
-use crate::strategy::Backend;
-use crate::strategy::Purpose;
-use crate::verify::{self, Expected, Pin};
+use crate::read::buffer::TensorBytes;
+use crate::read::engine::Report;
+use crate::read::source::{self, ReadOptions, Target, Tensors};
+use crate::read::strategy::Backend;
+use crate::read::strategy::Purpose;
 
 /// What verification did so far: files whose digest matched and their bytes, files the verified
 /// record vouched for (unchanged since they last matched: not hashed), files loaded unverified
@@ -51,7 +51,7 @@ pub(super) struct Pins {
     /// when not held. The lock also keeps two reads from hashing one shard at once.
     held: Vec<Mutex<Option<Vec<Option<TensorBytes>>>>>,
     counts: Mutex<Verified>,
-    /// Per shard: the verified record vouches for it (see `crate::record`): read as unpinned.
+    /// Per shard: the verified record vouches for it (see `crate::checkpoint::record`): read as unpinned.
     recorded: Vec<bool>,
     /// The record a matching shard is remembered in, and per shard the file's identity read
     /// before its hash began (a file that changes meanwhile is not remembered).
@@ -79,7 +79,7 @@ impl Checkpoint {
         root: Option<&Path>,
         backend: Backend,
         opts: ReadOptions,
-        store: &crate::remote::Options,
+        store: &crate::storage::remote::Options,
         pin: Option<&Pin>,
         record: Option<Record>,
     ) -> Result<Checkpoint> {
@@ -98,10 +98,10 @@ impl Checkpoint {
     /// ([`verify::expectations`]); the checkpoint must hash its reads ([`ReadOptions::hash`]).
     /// `root`: what names are relative to ([`Checkpoint::root_of`]). A shard with no digest (a
     /// lenient [`Pin::Known`]) loads as it would unpinned; when none has one, nothing is hashed.
-    /// `record`: the verified record ([`crate::record`]): a local file it vouches for is read
+    /// `record`: the verified record ([`crate::checkpoint::record`]): a local file it vouches for is read
     /// as unpinned, and one that hashes right is remembered in it.
     ///
-    /// [`ReadOptions::hash`]: crate::source::ReadOptions::hash
+    /// [`ReadOptions::hash`]: crate::read::source::ReadOptions::hash
     pub fn expect(&mut self, pin: &Pin, root: Option<&Path>, record: Option<Record>) -> Result<()> {
         if !self.opts.hash {
             return Err(Error::Argument(
@@ -109,7 +109,9 @@ impl Checkpoint {
             ));
         }
         let paths: Vec<_> = self.shards.iter().map(|s| s.path.clone()).collect();
-        let reported: Vec<_> = self.shards.iter().map(|s| s.reported_digest()).collect();
+        let reported: Vec<_> = (self.shards.iter())
+            .map(|s| (s.reported_digest()).map(|(digest, from)| Expected { digest, from }))
+            .collect();
         let expected = verify::expectations(pin, root, &paths, &reported)?;
         let n = expected.len();
         let (mut recorded, mut before) = (vec![false; n], vec![None; n]);
@@ -303,7 +305,7 @@ impl Checkpoint {
         let mut held = self.pins.held(shard);
         let index = self.index_in(shard, info);
         let whole = self.present(shard, index, &mut held, poll, done)?;
-        crate::slice::cut(plan, whole)
+        crate::read::buffer::cut(plan, whole)
     }
 
     /// Data-area ranges of pinned shard `shard`, copied from its held bytes.
@@ -470,19 +472,19 @@ fn converted(
     dtype: Option<Dtype>,
 ) -> Result<(TensorBytes, Dtype)> {
     let to = match dtype {
-        Some(d) if d != info.dtype && crate::convert::supported(info.dtype, d) => d,
+        Some(d) if d != info.dtype && crate::format::convert::supported(info.dtype, d) => d,
         _ => return Ok((bytes, info.dtype)),
     };
-    let len = crate::convert::converted_len(info.dtype, to, bytes.len())
+    let len = crate::format::convert::converted_len(info.dtype, to, bytes.len())
         .map_err(|e| Error::Destination(format!("tensor {}: {e}", info.name)))?;
-    let mut out = crate::buffer::allocate(&[len]).map_err(|e| {
+    let mut out = crate::read::buffer::allocate(&[len]).map_err(|e| {
         Error::Memory(format!(
             "cannot allocate {len} bytes for {}: {e}",
             info.name
         ))
     })?;
     let mut fresh = out.pop().expect("one asked");
-    crate::convert::convert(info.dtype, to, bytes.as_slice(), fresh.as_mut_slice())
+    crate::format::convert::convert(info.dtype, to, bytes.as_slice(), fresh.as_mut_slice())
         .map_err(|e| Error::Destination(format!("tensor {}: {e}", info.name)))?;
     Ok((fresh.into_shared(), to))
 }
@@ -493,14 +495,14 @@ fn copy_into(bytes: &TensorBytes, t: Target<'_, '_>) -> Result<()> {
         t.dest.copy_from_slice(bytes.as_slice());
         return Ok(());
     }
-    crate::convert::convert(t.info.dtype, t.dtype, bytes.as_slice(), t.dest)
+    crate::format::convert::convert(t.info.dtype, t.dtype, bytes.as_slice(), t.dest)
         .map_err(|e| Error::Destination(format!("tensor {}: {e}", t.info.name)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serialize;
+    use crate::format::serialize;
 
     fn file(dir: &Path, name: &str) -> (PathBuf, Digest) {
         let path = dir.join(name);
@@ -579,8 +581,8 @@ mod tests {
         let err = ckpt.read(&[(0, b)], None, &mut || false).err().unwrap();
         assert!(err.to_string().contains("SHA-256 mismatch"), "{err}");
         // In place: nothing copied before the check, so the destination keeps its bytes.
-        let fresh = pinned(&path, &digest.to_string());
-        let (_, a) = fresh.get("a").unwrap();
+        let in_place = pinned(&path, &digest.to_string());
+        let (_, a) = in_place.get("a").unwrap();
         let mut dest = vec![7u8; a.nbytes()];
         let target = Target {
             source: 0,
@@ -588,7 +590,7 @@ mod tests {
             dtype: Dtype::F32,
             dest: &mut dest,
         };
-        let err = fresh.read_into(vec![target], &mut || false).unwrap_err();
+        let err = in_place.read_into(vec![target], &mut || false).unwrap_err();
         assert!(err.to_string().contains("SHA-256 mismatch"), "{err}");
         assert!(dest.iter().all(|&x| x == 7));
         // Whole, straight into new buffers: hashed on the way.
@@ -598,7 +600,7 @@ mod tests {
         let (out, _) = fresh.read(&all, None, &mut || false).unwrap();
         assert_eq!(out[1].0.as_slice(), &on_disk[start + 16000..]);
         assert_eq!(fresh.verified().bytes, on_disk.len() as u64);
-        drop((ckpt, fresh));
+        drop((ckpt, in_place, fresh)); // Windows cannot remove files still open
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

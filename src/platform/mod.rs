@@ -61,7 +61,7 @@ pub struct Uncached {
 }
 
 /// Which file an open handle is and when it last changed, as the OS tells it from the handle
-/// (never a second lookup of a path): what [`crate::record`] trusts a file's bytes by.
+/// (never a second lookup of a path): what [`crate::checkpoint::record`] trusts a file's bytes by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileIdentity {
     /// The filesystem holding the file: Unix `st_dev`, Windows the volume serial number.
@@ -201,7 +201,7 @@ pub fn available_memory() -> Option<u64> {
 
 /// Windows: what the job object the process runs in still lets it commit (see
 /// `windows::job_memory_headroom`); elsewhere None (Linux containers are cgroups, read by
-/// [`crate::memory`] from their files).
+/// [`crate::read::memory`] from their files).
 pub fn job_memory_headroom() -> Option<u64> {
     #[cfg(windows)]
     return os::job_memory_headroom();
@@ -228,7 +228,7 @@ pub fn fork_generation() -> u64 {
 
 /// How long `file` is now. Unix: `lseek` to its end, a third of what `fstat` costs (no
 /// attributes gathered or copied out); it moves the descriptor's offset, which no read of this
-/// crate uses. Asked before every view of a map is handed out ([`crate::buffer::TensorBytes::checked`]).
+/// crate uses. Asked before every view of a map is handed out ([`crate::read::buffer::TensorBytes::checked`]).
 pub fn file_len(file: &File) -> io::Result<u64> {
     os::file_len(file)
 }

@@ -5,11 +5,11 @@ use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PySlice, PyTuple};
 
-use crate::dtype::Dtype;
 use crate::error::Error;
-use crate::slice::{Bounds, Index};
-use crate::source::ReadOptions;
-use crate::strategy::Backend;
+use crate::format::dtype::Dtype;
+use crate::format::slice::{Bounds, Index};
+use crate::read::source::ReadOptions;
+use crate::read::strategy::Backend;
 
 /// A `backend=` argument: a str naming one of [`Backend::NAMES`] ("auto" gives way to
 /// `$SAFELOAD_BACKEND`: [`Backend::requested`]); anything else is a `TypeError`, as 0.8's typed
@@ -39,7 +39,7 @@ impl BackendArg {
 }
 
 /// What a caller names as a checkpoint: one place (a file, a directory, an index.json, a URL
-/// or a prefix; str or os.PathLike), resolved in the core by `shards`' rule; or a list or tuple
+/// or a prefix; str or os.PathLike), resolved in the core by `checkpoint::files`' rule; or a list or tuple
 /// of shard files, read as given.
 #[derive(FromPyObject)]
 pub(super) enum CheckpointArg {
@@ -51,7 +51,7 @@ pub(super) enum CheckpointArg {
 /// none an error), a `{name: digest}` mapping, or a manifest's path (`str` or `os.PathLike`);
 /// None (not given) leaves it to `SAFELOAD_VERIFY` ([`VerifyArg::pin`]). Anything else is
 /// refused.
-pub(super) struct VerifyArg(Option<crate::verify::Pin>);
+pub(super) struct VerifyArg(Option<crate::checkpoint::verify::Pin>);
 
 impl VerifyArg {
     /// What `verify` asks for (not given: what `SAFELOAD_VERIFY` asks for), and the backend to
@@ -62,10 +62,10 @@ impl VerifyArg {
     pub(super) fn pin(
         verify: Option<VerifyArg>,
         backend: Backend,
-    ) -> PyResult<(Option<crate::verify::Pin>, Backend)> {
+    ) -> PyResult<(Option<crate::checkpoint::verify::Pin>, Backend)> {
         match verify {
             Some(v) => Ok((v.0, backend)),
-            None => match crate::verify::Pin::from_env()? {
+            None => match crate::checkpoint::verify::Pin::from_env()? {
                 Some(pin) if backend == Backend::Mmap => Ok((Some(pin), Backend::Auto)),
                 pin => Ok((pin, backend)),
             },
@@ -77,7 +77,7 @@ impl<'py> FromPyObject<'_, 'py> for VerifyArg {
     type Error = PyErr;
 
     fn extract(ob: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
-        use crate::verify::Pin;
+        use crate::checkpoint::verify::Pin;
         use pyo3::types::{PyBool, PyDict};
         if ob.is_none() {
             return Ok(VerifyArg(None));
@@ -112,8 +112,8 @@ impl<'py> FromPyObject<'_, 'py> for VerifyArg {
 /// nothing to remember).
 pub(super) fn verify_record(
     verify_cache: Option<std::path::PathBuf>,
-    pin: Option<&crate::verify::Pin>,
-) -> PyResult<Option<crate::record::Record>> {
+    pin: Option<&crate::checkpoint::verify::Pin>,
+) -> PyResult<Option<crate::checkpoint::record::Record>> {
     match (verify_cache, pin) {
         (Some(_), None) => Err(Error::Argument(
             "verify_cache= remembers files that hashed right under verify= (or SAFELOAD_VERIFY); \
@@ -121,8 +121,8 @@ pub(super) fn verify_record(
                 .into(),
         )
         .into()),
-        (Some(dir), Some(_)) => Ok(Some(crate::record::Record::open(&dir)?)),
-        (None, Some(_)) => Ok(crate::record::Record::from_env()?),
+        (Some(dir), Some(_)) => Ok(Some(crate::checkpoint::record::Record::open(&dir)?)),
+        (None, Some(_)) => Ok(crate::checkpoint::record::Record::from_env()?),
         (None, None) => Ok(None),
     }
 }

@@ -17,7 +17,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffer::{Region, TensorBytes};
+use crate::read::buffer::{Region, TensorBytes};
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Bytes {
@@ -47,7 +47,7 @@ struct Managed {
 /// The DLPack type of a format code whose elements DLPack describes exactly: (code, bits).
 /// Others (fp8, packed fp4) go through `U8` and a view in the framework.
 fn dl_type(code: &str) -> Option<(u8, u8)> {
-    crate::dtype::Dtype::from_code(code).and_then(|d| d.names().dlpack)
+    crate::format::dtype::Dtype::from_code(code).and_then(|d| d.names().dlpack)
 }
 
 /// The DLPack deleter: drops what [`capsule`] boxed. Called once, by the consumer (any thread,
@@ -151,7 +151,7 @@ impl Importer {
     fn new(call: Py<PyAny>, codes: Vec<String>) -> PyResult<Self> {
         let mut known = Vec::with_capacity(codes.len());
         for c in &codes {
-            let dtype = crate::dtype::Dtype::from_code(c)
+            let dtype = crate::format::dtype::Dtype::from_code(c)
                 .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {c}")))?;
             // A dtype DLPack cannot describe (F4, F6) is never handed to the import.
             if let Some(ty) = dtype.names().dlpack {

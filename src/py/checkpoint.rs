@@ -20,11 +20,11 @@ use super::stats::Stats;
 use super::stream::Stream;
 use crate::checkpoint::{self, Entry};
 use crate::error::Error;
-use crate::readahead;
-use crate::source::Target;
-use crate::strategy::Strategy;
+use crate::read::readahead;
+use crate::read::source::Target;
+use crate::read::strategy::Strategy;
 
-fn tuples(entries: &[Entry<'_>], read: crate::source::Tensors) -> Vec<TensorTuple> {
+fn tuples(entries: &[Entry<'_>], read: crate::read::source::Tensors) -> Vec<TensorTuple> {
     entries
         .iter()
         .zip(read)
@@ -61,7 +61,7 @@ impl Checkpoint {
     #[new]
     /// `verify`: pins every shard to a SHA-256 (a `{name: digest}` mapping, a manifest's path, or
     /// True for the digests the source knows): resolved at open, checked by `read` before it
-    /// returns (see `crate::verify`); implies `hash`.
+    /// returns (see `crate::checkpoint::verify`); implies `hash`.
     #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false, verify=None, verify_cache=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, converted once
     fn new(
@@ -78,7 +78,7 @@ impl Checkpoint {
     ) -> PyResult<Self> {
         let (pin, backend) = VerifyArg::pin(verify, BackendArg::or_default(backend)?)?;
         let record = verify_record(verify_cache, pin.as_ref())?;
-        let opts = crate::source::ReadOptions {
+        let opts = crate::read::source::ReadOptions {
             hash,
             ..options(threads, chunk_bytes, drop_cache)
         };
@@ -236,7 +236,7 @@ impl Checkpoint {
     /// The plan of a load by `world` ranks: (shares of the tensors some rank needs, in (shard,
     /// offset) order; rounds, each a list of indices into the shares: batch k of every rank's
     /// reads, at most `batch_bytes` each). `ranks_needing`: {name: ranks}; `selections`: one
-    /// list of names (or None: all) per rank. See `crate::shares`.
+    /// list of names (or None: all) per rank. See `crate::checkpoint::ranks`.
     #[pyo3(signature = (world, *, ranks_needing=None, selections=None, batch_bytes))]
     fn shares(
         &self,
@@ -253,7 +253,7 @@ impl Checkpoint {
     /// batch read ahead while the caller uses the current one (see `Stream`).
     #[pyo3(signature = (*, max_inflight_bytes=None))]
     fn stream(&self, max_inflight_bytes: Option<u64>) -> PyResult<Stream> {
-        Ok(Stream::new(crate::stream::Stream::start(
+        Ok(Stream::new(crate::checkpoint::stream::Stream::start(
             self.get()?,
             max_inflight_bytes,
         )))
@@ -276,7 +276,7 @@ impl Checkpoint {
 
     /// What every rank must agree on: shard file names and each tensor's place, dtype and shape.
     fn digest(&self) -> PyResult<String> {
-        Ok(crate::shares::digest(&*self.get()?))
+        Ok(crate::checkpoint::ranks::digest(&*self.get()?))
     }
 
     /// Each shard's SHA-256 (hex, in order) when opened with `hash=True` and read in full, in

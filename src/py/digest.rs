@@ -1,6 +1,6 @@
 //! Digests for Python: whole files hashed with the parallel reader (`safeload hash`), digests
 //! and `sha256sum` manifests read and written by the core's one parser and writer
-//! (`crate::digest`), and a checkpoint's shard files (what `hash` expands a directory to).
+//! (`crate::format::digest`), and a checkpoint's shard files (what `hash` expands a directory to).
 
 use std::path::PathBuf;
 
@@ -10,8 +10,8 @@ use super::args::{BackendArg, options};
 use super::errors::detached;
 use super::remote::StorageOptions;
 use crate::checkpoint::Checkpoint;
-use crate::digest::{self, Digest};
 use crate::error::Error;
+use crate::format::digest::{self, Digest};
 
 /// The SHA-256 of each file (hex, in order), every byte read once with the parallel reader in
 /// rounds of at most `max_bytes` into one buffer, several files side by side.
@@ -30,7 +30,8 @@ pub(super) fn hash_files(
     let opts = options(threads, chunk_bytes, false);
     let store = storage_options.unwrap_or_default().0;
     let digests = detached(py, |poll| {
-        crate::source::hash_files(&paths, backend, &opts, &store, max_bytes, poll).map(|(d, _)| d)
+        crate::read::source::hash_files(&paths, backend, &opts, &store, max_bytes, poll)
+            .map(|(d, _)| d)
     })?;
     Ok(digests.iter().map(Digest::to_string).collect())
 }
@@ -83,9 +84,16 @@ pub(super) fn known_digest(
 ) -> PyResult<Option<(String, String)>> {
     let store = storage_options.unwrap_or_default().0;
     let known = detached(py, |_| {
-        let reported = crate::source::Source::open_with(&path, &store)?.reported_digest();
-        let lenient = crate::verify::Pin::Known { strict: false };
-        crate::verify::expectations(&lenient, None, std::slice::from_ref(&path), &[reported])
+        let source = crate::read::source::Source::open_with(&path, &store)?;
+        let reported = (source.reported_digest())
+            .map(|(digest, from)| crate::checkpoint::verify::Expected { digest, from });
+        let lenient = crate::checkpoint::verify::Pin::Known { strict: false };
+        crate::checkpoint::verify::expectations(
+            &lenient,
+            None,
+            std::slice::from_ref(&path),
+            &[reported],
+        )
     })?;
     Ok((known.into_iter().next().flatten()).map(|e| (e.digest.to_string(), e.from)))
 }

@@ -10,7 +10,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use crate::dtype::Dtype;
+use crate::format::dtype::Dtype;
 
 pub(super) const CAPSULE_NAME: &CStr = c"dltensor";
 /// kDLCPU.

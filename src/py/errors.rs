@@ -77,7 +77,7 @@ fn to_py(err: Error) -> PyErr {
 }
 
 /// Runs `f` with the GIL released, giving it a `poll` that checks for Ctrl-C (also installed for
-/// the waits `f` blocks in on this thread: [`crate::cancel`]). A pending signal's exception
+/// the waits `f` blocks in on this thread: [`crate::storage::cancel`]). A pending signal's exception
 /// (KeyboardInterrupt) is what the caller gets back if it arrived during the call, whatever `f`
 /// made of the stop (a cancelled read, a request cut off); a panic in `f` (or a worker it joined)
 /// is a `SafetensorError`.
@@ -86,7 +86,7 @@ pub fn detached<T: Send>(
     f: impl FnOnce(&mut dyn FnMut() -> bool) -> crate::error::Result<T> + Send,
 ) -> PyResult<T> {
     let result = py.detach(|| {
-        crate::cancel::with_poll(signalled, || {
+        crate::storage::cancel::with_poll(signalled, || {
             let mut poll = signalled;
             crate::error::catch_panic("a read", || f(&mut poll))
         })

@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 
-use crate::header::TensorInfo;
+use crate::format::header::TensorInfo;
 
 /// A tensor's header entry: `name`, `dtype` (format code), `shape`, `begin` and `end` (offsets
 /// in the data area of its file), `shard` (which file of a checkpoint; 0 for a handle's).

@@ -29,47 +29,47 @@ pub use errors::SafetensorError;
 /// the bytes released. It also goes back by itself after `SAFELOAD_POOL_IDLE_S` (10 s) idle.
 #[pyfunction]
 fn release_memory(py: Python<'_>) -> usize {
-    py.detach(crate::pool::release)
+    py.detach(crate::read::pool::release)
 }
 
 /// Bytes of freed tensor memory kept for reuse right now.
 #[pyfunction]
 fn pooled_bytes() -> usize {
-    crate::pool::pooled_bytes()
+    crate::read::pool::pooled_bytes()
 }
 
-/// What bounds the memory loads may take (see `crate::memory`), in bytes: `available` (the
+/// What bounds the memory loads may take (see `crate::read::memory`), in bytes: `available` (the
 /// smallest of the rest), `host`, `container` (the cgroup's or job object's headroom), `user`
 /// (`SAFELOAD_MEMORY_LIMIT` less what
 /// safeload holds), `held` (safeload's owned memory, pool included), `pooled`, `pool_limit`;
 /// None where unknown.
 #[pyfunction]
 fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let budget = crate::memory::snapshot();
+    let budget = crate::read::memory::snapshot();
     let info = pyo3::types::PyDict::new(py);
     info.set_item("available", budget.available())?;
     info.set_item("host", budget.host)?;
     info.set_item("container", budget.container)?;
     info.set_item("user", budget.user)?;
-    info.set_item("held", crate::memory::held())?;
-    info.set_item("pooled", crate::pool::pooled_bytes())?;
-    info.set_item("pool_limit", crate::pool::limit())?;
+    info.set_item("held", crate::read::memory::held())?;
+    info.set_item("pooled", crate::read::pool::pooled_bytes())?;
+    info.set_item("pool_limit", crate::read::pool::limit())?;
     Ok(info)
 }
 
 /// `text` with every URL in it stripped of its user info and secret query values, as every
-/// message of the core is ([`crate::redact::redact`]): for the messages Python words itself
+/// message of the core is ([`crate::storage::redact::redact`]): for the messages Python words itself
 /// (the command line's `OK <url>` / `FAIL <url>` lines).
 #[pyfunction]
 fn redact(text: &str) -> String {
-    crate::redact::redact(text).into_owned()
+    crate::storage::redact::redact(text).into_owned()
 }
 
-/// A path as messages and logs show it: a URL without its secrets ([`crate::redact::redact`]).
+/// A path as messages and logs show it: a URL without its secrets ([`crate::storage::redact::redact`]).
 fn shown(path: &std::path::Path) -> std::path::PathBuf {
     match path.to_str() {
-        Some(text) if crate::remote::is_url(path) => {
-            crate::redact::redact(text).into_owned().into()
+        Some(text) if crate::storage::remote::is_url(path) => {
+            crate::storage::redact::redact(text).into_owned().into()
         }
         _ => path.to_path_buf(),
     }
@@ -87,7 +87,7 @@ fn pinned(ckpt: &crate::checkpoint::Checkpoint) -> Vec<(std::path::PathBuf, Opti
 /// is ml_dtypes' rather than numpy's, bits per element); None where the framework lacks it.
 fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let table = pyo3::types::PyDict::new(py);
-    for d in crate::dtype::Dtype::ALL {
+    for d in crate::format::dtype::Dtype::ALL {
         let n = d.names();
         table.set_item(d.code(), (n.torch, n.numpy, n.ml_dtypes, d.bits()))?;
     }
@@ -99,15 +99,21 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     m.add("SliceIndexError", errors::slice_index_error(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("DEFAULT_CHUNK_BYTES", crate::plan::DEFAULT_CHUNK_BYTES)?;
-    m.add("DEFAULT_THREADS", crate::engine::default_threads())?;
+    m.add(
+        "DEFAULT_CHUNK_BYTES",
+        crate::read::plan::DEFAULT_CHUNK_BYTES,
+    )?;
+    m.add("DEFAULT_THREADS", crate::read::engine::default_threads())?;
     m.add("DTYPES", dtypes(m.py())?)?;
-    m.add("STAGING_RING_ENV", crate::staging::RING_ENV)?;
+    m.add("STAGING_RING_ENV", crate::read::staging::RING_ENV)?;
     m.add(
         "BACKENDS",
-        crate::strategy::Backend::ALL.map(|(name, _)| name),
+        crate::read::strategy::Backend::ALL.map(|(name, _)| name),
     )?;
-    m.add("CONVERTIBLE", crate::convert::CONVERTIBLE.map(|d| d.code()))?;
+    m.add(
+        "CONVERTIBLE",
+        crate::format::convert::CONVERTIBLE.map(|d| d.code()),
+    )?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<bytes::Importer>()?;
     m.add_class::<handle::Handle>()?;

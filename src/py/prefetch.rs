@@ -12,12 +12,12 @@ use pyo3::types::{PyDict, PySlice};
 use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::provided;
-use crate::engine::{Report, Tally};
 use crate::error::Error;
-use crate::prefetch::{self, Handovers, Rows};
-use crate::readahead::{Mode, ReadAhead};
-use crate::source::{self, ReadOptions, Source};
-use crate::strategy::Strategy;
+use crate::read::engine::{Report, Tally};
+use crate::read::prefetch::{self, Handovers, Rows};
+use crate::read::readahead::{Mode, ReadAhead};
+use crate::read::source::{self, ReadOptions, Source};
+use crate::read::strategy::Strategy;
 
 /// A plan dict (`name -> None | slice`), in the dict's order.
 pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows)>> {

@@ -1,4 +1,4 @@
-//! Destinations Python provides for the read-ahead ([`Mode::Provided`](crate::readahead::Mode)):
+//! Destinations Python provides for the read-ahead ([`Mode::Provided`](crate::read::readahead::Mode)):
 //! device memory the host can write (an MPS tensor's CPU alias) or pinned staging memory, made by
 //! a Python `allocate` callable on the calling thread, read into by the Rust workers.
 
@@ -6,9 +6,9 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::dlpack::Destinations;
-use crate::buffer::{Fresh, TensorBytes};
-use crate::header::TensorInfo;
-use crate::readahead::ReadAhead;
+use crate::format::header::TensorInfo;
+use crate::read::buffer::{Fresh, TensorBytes};
+use crate::read::readahead::ReadAhead;
 
 /// What keeps a provided destination alive: the tensor handed back once it is read, and the
 /// DLPack capsule of its host-writable view.

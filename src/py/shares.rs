@@ -1,4 +1,4 @@
-//! The per-rank plan of a process group's shared load (`crate::shares`), as
+//! The per-rank plan of a process group's shared load (`crate::checkpoint::ranks`), as
 //! `safeload.distributed` runs it: typed shares and rounds, the agreement digest, and
 //! `assign_owners`.
 
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 
 use super::info::Info;
 use crate::checkpoint::Checkpoint;
-use crate::shares::{self, Wants};
+use crate::checkpoint::ranks::{self, Wants};
 
 /// One tensor of a shared load: its header entry, the rank that reads it, the ranks that need it.
 #[pyclass(frozen, get_all, module = "safeload._safeload")]
@@ -42,7 +42,7 @@ pub(super) fn plan(
         ranks_needing: ranks_needing.as_ref(),
         selections: selections.as_deref(),
     };
-    let plan = shares::plan(ckpt, world, &wants, batch_bytes)?;
+    let plan = ranks::plan(ckpt, world, &wants, batch_bytes)?;
     let entries: Vec<_> = ckpt.entries().collect();
     let out = (plan.shares.into_iter())
         .map(|s| {
@@ -58,7 +58,7 @@ pub(super) fn plan(
 }
 
 /// The rank reading each item (in offset order): contiguous runs balanced by bytes; `preset`
-/// gives a fixed owner (>= 0) to some items (see `crate::shares::assign_owners`).
+/// gives a fixed owner (>= 0) to some items (see `crate::checkpoint::ranks::assign_owners`).
 #[pyfunction]
 #[pyo3(signature = (sizes, world, preset=None))]
 pub fn assign_owners(
@@ -75,5 +75,5 @@ pub fn assign_owners(
             "preset: one owner (or -1) per size, each below world",
         ));
     }
-    Ok(shares::assign_owners(&sizes, world, &preset))
+    Ok(ranks::assign_owners(&sizes, world, &preset))
 }

@@ -1,5 +1,5 @@
 //! Accelerator loads' staging ring as the Python loader (`_staging.py`) drives it: the ring's
-//! size, the tensors a load wants, and the fills that bring them through it (`crate::staging`).
+//! size, the tensors a load wants, and the fills that bring them through it (`crate::read::staging`).
 
 use std::collections::HashSet;
 
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 
 use super::info::Info;
 use crate::error::Error;
-use crate::staging;
+use crate::read::staging;
 
 /// The ring to use, (buffers, bytes each): the arguments, else `$SAFELOAD_STAGING_RING`, else
 /// 4 x 64 MiB, the default buffers smaller where a quarter of what the process may still take is

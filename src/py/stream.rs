@@ -1,5 +1,5 @@
 //! `Stream`: a checkpoint's tensors in batches, the next one read ahead on a thread of the
-//! reader's own (`crate::stream`), for `iter_checkpoint` and progress-reporting loads.
+//! reader's own (`crate::checkpoint::stream`), for `iter_checkpoint` and progress-reporting loads.
 
 use std::sync::Mutex;
 
@@ -10,11 +10,11 @@ use super::errors::detached;
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Stream {
-    inner: Mutex<Option<crate::stream::Stream>>,
+    inner: Mutex<Option<crate::checkpoint::stream::Stream>>,
 }
 
 impl Stream {
-    pub(super) fn new(stream: crate::stream::Stream) -> Stream {
+    pub(super) fn new(stream: crate::checkpoint::stream::Stream) -> Stream {
         Stream {
             inner: Mutex::new(Some(stream)),
         }

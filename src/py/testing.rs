@@ -12,9 +12,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::handle::Handle;
-use crate::convert;
-use crate::dtype::Dtype;
 use crate::error::Error;
+use crate::format::convert;
+use crate::format::dtype::Dtype;
 
 /// The `_testing` submodule.
 pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
@@ -57,7 +57,7 @@ fn convert_bytes<'py>(
 /// `"4x64MiB"` -> (4, 67108864); ValueError for anything else.
 #[pyfunction]
 fn parse_ring(text: &str) -> PyResult<(usize, usize)> {
-    crate::staging::parse_ring(text).ok_or_else(|| {
+    crate::read::staging::parse_ring(text).ok_or_else(|| {
         PyValueError::new_err(format!("ring {text:?}: expected COUNTxSIZE, e.g. 4x64MiB"))
     })
 }
@@ -74,7 +74,7 @@ fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     let file = std::fs::File::open(&path).map_err(open_err)?;
     let len = file.metadata().map_err(open_err)?.len();
     Ok((
-        crate::strategy::cached_fraction(&file, 0, len),
+        crate::read::strategy::cached_fraction(&file, 0, len),
         crate::platform::FsKind::of(&file, &path).name(),
     ))
 }
@@ -82,7 +82,7 @@ fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
 /// Read cgroup files under `root` (a fixture tree) instead of `/`.
 #[pyfunction]
 fn set_cgroup_root(root: PathBuf) {
-    crate::memory::set_cgroup_root(&root);
+    crate::read::memory::set_cgroup_root(&root);
 }
 
 /// Bytes `handle`'s read-ahead holds for tensors not asked for yet (owned memory, or page cache

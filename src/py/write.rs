@@ -7,9 +7,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 use super::errors::detached;
-use crate::dtype::Dtype;
 use crate::error::Error;
-use crate::serialize::{TensorIn, to_bytes, to_file};
+use crate::format::dtype::Dtype;
+use crate::format::serialize::{TensorIn, to_bytes, to_file};
 
 /// Framework dtype names (`torch`'s and `numpy`'s, which agree) or format codes to dtypes.
 fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
@@ -164,9 +164,9 @@ pub fn deserialize<'py>(
             1,
         )))
     };
-    let n = crate::header::header_len(bytes, bytes.len() as u64).map_err(wrap)?;
-    let header =
-        crate::header::parse(&bytes[8..8 + n as usize], bytes.len() as u64).map_err(wrap)?;
+    let n = crate::format::header::header_len(bytes, bytes.len() as u64).map_err(wrap)?;
+    let header = crate::format::header::parse(&bytes[8..8 + n as usize], bytes.len() as u64)
+        .map_err(wrap)?;
     let data = &bytes[header.data_start() as usize..];
     let mut out = Vec::with_capacity(header.tensors.len());
     for t in &header.tensors {

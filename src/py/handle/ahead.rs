@@ -5,13 +5,13 @@ use pyo3::prelude::*;
 
 use super::Handle;
 use crate::checkpoint::Checkpoint;
-use crate::header::TensorInfo;
-use crate::prefetch::Rows;
+use crate::format::header::TensorInfo;
 use crate::py::errors::detached;
 use crate::py::prefetch::{Makers, Prefetch};
 use crate::py::provided;
-use crate::readahead::{self, Mode, ReadAhead};
-use crate::strategy;
+use crate::read::prefetch::Rows;
+use crate::read::readahead::{self, Mode, ReadAhead};
+use crate::read::strategy;
 
 impl Handle {
     /// The handle's read-ahead, made at the first call: into `provided` destinations (see

@@ -24,8 +24,8 @@ use super::prefetch::{self, MakersArg, Prefetch};
 use super::stats::Stats;
 use crate::checkpoint::{Checkpoint, ReadStats};
 use crate::error::Error;
-use crate::readahead::{self, ReadAhead};
-use crate::source::Source;
+use crate::read::readahead::{self, ReadAhead};
+use crate::read::source::Source;
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {

@@ -5,14 +5,14 @@ use pyo3::prelude::*;
 
 use super::Handle;
 use crate::checkpoint::{Checkpoint, Entry};
-use crate::dtype::Dtype;
-use crate::header::TensorInfo;
+use crate::format::dtype::Dtype;
+use crate::format::header::TensorInfo;
 use crate::py::bytes::{Bytes, TensorTuple};
 use crate::py::dlpack::Destinations;
 use crate::py::errors::detached;
 use crate::py::stats::Stats;
-use crate::readahead::Mode;
-use crate::strategy::Strategy;
+use crate::read::readahead::Mode;
+use crate::read::strategy::Strategy;
 
 impl Handle {
     /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,

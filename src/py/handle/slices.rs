@@ -5,12 +5,12 @@ use pyo3::prelude::*;
 
 use super::Handle;
 use crate::checkpoint::Checkpoint;
-use crate::header::TensorInfo;
+use crate::format::header::TensorInfo;
+use crate::format::slice;
 use crate::py::args::{parse_bounds, parse_key};
 use crate::py::bytes::Bytes;
 use crate::py::errors::detached;
-use crate::readahead::Mode;
-use crate::slice;
+use crate::read::readahead::Mode;
 
 impl Handle {
     /// `read_slice`: (dtype, shape, bytes) of `plan` in tensor `info`, only the needed byte
@@ -40,7 +40,7 @@ impl Handle {
             _ => None,
         };
         let bytes = match held {
-            Some(whole) => slice::cut(&plan, &whole)?,
+            Some(whole) => crate::read::buffer::cut(&plan, &whole)?,
             None => detached(py, |poll| ckpt.read_slice(self.shard, info, &plan, poll))?.0,
         };
         Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))

@@ -1,0 +1,206 @@
+//! Writing: the same bytes safetensors 0.8 writes for the same tensors (order by dtype, largest
+//! first, then by name; JSON padded with spaces to a multiple of 8), with `__metadata__` keys in
+//! sorted order so the same input always gives the same file. Files are written to a temporary
+//! sibling and renamed, so a failed save never leaves a partial file.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::format::dtype::Dtype;
+use crate::format::header::{self, MAX_HEADER_SIZE};
+
+/// One tensor to write; `data` is its little-endian bytes.
+pub struct TensorIn<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::to_string(s).expect("strings always serialize")
+}
+
+/// Sorts `tensors` into file order and returns the 8-byte prefix + padded JSON header.
+pub fn header(
+    tensors: &mut [TensorIn<'_>],
+    metadata: Option<&[(String, String)]>,
+) -> Result<Vec<u8>> {
+    tensors.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(b.name)));
+    let mut json = String::from("{");
+    if let Some(metadata) = metadata {
+        let mut entries: Vec<&(String, String)> = metadata.iter().collect();
+        entries.sort();
+        json.push_str("\"__metadata__\":{");
+        for (i, (k, v)) in entries.iter().enumerate() {
+            if i > 0 {
+                json.push(',');
+            }
+            json.push_str(&json_string(k));
+            json.push(':');
+            json.push_str(&json_string(v));
+        }
+        json.push('}');
+    }
+    let mut offset = 0usize;
+    for (i, t) in tensors.iter().enumerate() {
+        let need = header::byte_size(t.dtype, t.shape).map_err(|_| {
+            Error::Serialize(format!(
+                "Error while serializing: overflow computing buffer size from shape and/or element type of tensor `{}`",
+                t.name
+            ))
+        })?;
+        if need != t.data.len() {
+            return Err(Error::Serialize(format!(
+                "Error while serializing: invalid shape, data type, or offset for tensor `{}`: {} {:?} needs {need} bytes, got {}",
+                t.name,
+                t.dtype,
+                t.shape,
+                t.data.len()
+            )));
+        }
+        if metadata.is_some() || i > 0 {
+            json.push(',');
+        }
+        let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
+        json.push_str(&format!(
+            "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+            json_string(t.name),
+            t.dtype.code(),
+            shape.join(","),
+            offset,
+            offset + need
+        ));
+        offset += need;
+    }
+    json.push('}');
+    let mut bytes = json.into_bytes();
+    bytes.resize(bytes.len().next_multiple_of(8), b' ');
+    if bytes.len() as u64 > MAX_HEADER_SIZE {
+        return Err(Error::Serialize(
+            "Error while serializing: header too large".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(8 + bytes.len());
+    out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    out.extend_from_slice(&bytes);
+    Ok(out)
+}
+
+/// The whole file in memory.
+pub fn to_bytes(
+    tensors: &mut [TensorIn<'_>],
+    metadata: Option<&[(String, String)]>,
+) -> Result<Vec<u8>> {
+    let head = header(tensors, metadata)?;
+    let total = head.len() + tensors.iter().map(|t| t.data.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&head);
+    for t in tensors.iter() {
+        out.extend_from_slice(t.data);
+    }
+    Ok(out)
+}
+
+/// Writes the file atomically: a temporary sibling, optionally fsynced, renamed over `path`.
+pub fn to_file(
+    path: &Path,
+    tensors: &mut [TensorIn<'_>],
+    metadata: Option<&[(String, String)]>,
+    fsync: bool,
+) -> Result<()> {
+    let head = header(tensors, metadata)?;
+    let write_err = |source| Error::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let temp = temp_sibling(path);
+    let result = (|| {
+        let file = File::create(&temp)?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&head)?;
+        for t in tensors.iter() {
+            w.write_all(t.data)?;
+        }
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        if fsync {
+            file.sync_all()?;
+        }
+        drop(file);
+        std::fs::rename(&temp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&temp);
+        return Err(write_err(e));
+    }
+    Ok(())
+}
+
+fn temp_sibling(path: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let unique = format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    );
+    path.with_file_name(unique)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_format_rules() {
+        let a = [0u8; 8];
+        let b = [1u8; 2];
+        let mut tensors = vec![
+            TensorIn {
+                name: "b",
+                dtype: Dtype::U8,
+                shape: &[2],
+                data: &b,
+            },
+            TensorIn {
+                name: "a",
+                dtype: Dtype::F32,
+                shape: &[2],
+                data: &a,
+            },
+        ];
+        let meta = vec![
+            ("z".to_string(), "1".to_string()),
+            ("a".to_string(), "2".to_string()),
+        ];
+        let bytes = to_bytes(&mut tensors, Some(&meta)).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let json = std::str::from_utf8(&bytes[8..8 + n]).unwrap().trim_end();
+        assert_eq!(
+            json,
+            r#"{"__metadata__":{"a":"2","z":"1"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[2],"data_offsets":[8,10]}}"#
+        );
+        let h = header::parse(&bytes[8..8 + n], bytes.len() as u64).unwrap();
+        assert_eq!(h.tensors.len(), 2);
+        assert_eq!(&bytes[8 + n + 8..], &b);
+    }
+
+    #[test]
+    fn rejects_wrong_data_length() {
+        let a = [0u8; 7];
+        let mut tensors = vec![TensorIn {
+            name: "a",
+            dtype: Dtype::F32,
+            shape: &[2],
+            data: &a,
+        }];
+        assert!(to_bytes(&mut tensors, None).is_err());
+    }
+}

@@ -1,0 +1,711 @@
+//! The reader: workers claim chunks of a [`Plan`] in offset order and `preadv` them straight into
+//! their destinations. One pass over every byte, no intermediate copy, no Python. A chunk read
+//! in full still fails when the file no longer covers it ([`backing::confirm_covered`]).
+//!
+//! The calling thread does not read when workers run: it waits and calls `poll` every few
+//! milliseconds, so a binding can check for Ctrl-C and cancel promptly.
+//!
+//! An input whose hash is asked for feeds it in the same pass ([`crate::read::filehash`]): each
+//! finished chunk's file bytes, from its destinations, or from the worker's buffer where they
+//! were converted; nothing is read twice.
+
+use std::fs::File;
+use std::io::{self, IoSliceMut};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::platform::{self, Uncached};
+use crate::read::buffer::Region;
+use crate::read::filehash::{Ordered, Raw, Slot};
+use crate::read::plan::{Chunk, Plan, Segment, Transform};
+use crate::read::strategy::Strategy;
+use crate::storage::backing::{self, Backing, ended_early};
+
+/// How often the waiting thread calls `poll`.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+/// Below this many bytes a plan of files is read on the calling thread.
+const INLINE_BYTES: u64 = 4 << 20;
+
+/// A file (or an object in a store) the plan reads from.
+pub struct Input<'a> {
+    pub path: &'a Path,
+    pub backing: &'a Backing,
+    /// The same file opened to read around the page cache.
+    pub direct: Option<&'a Uncached>,
+    /// The file's hash, which this read feeds (in file order, as far as its chunks reach) when
+    /// it has been started; None: not hashed.
+    pub hash: Option<&'a Slot>,
+}
+
+/// How a plan is executed.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    pub threads: usize,
+    /// Each worker opens its own descriptor (network filesystems serialise reads on one fd).
+    pub own_fds: bool,
+}
+
+/// What a read did, for stats and for telling the user which path ran.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Report {
+    pub bytes: u64,
+    pub seconds: f64,
+    pub threads: usize,
+    /// Uncached reads were refused (EINVAL) and buffered reads were used instead.
+    pub direct_refused: bool,
+}
+
+impl Report {
+    /// The strategy a read asked to use `asked` ran with: pread where uncached reads were
+    /// refused.
+    pub fn ran_with(&self, asked: Strategy) -> Strategy {
+        match asked {
+            Strategy::Direct if self.direct_refused => Strategy::Pread,
+            asked => asked,
+        }
+    }
+
+    /// Adds `other` in: bytes and seconds add up, the most workers either used.
+    pub fn add(&mut self, other: &Report) {
+        self.bytes += other.bytes;
+        self.seconds += other.seconds;
+        self.threads = self.threads.max(other.threads);
+        self.direct_refused |= other.direct_refused;
+    }
+}
+
+/// Reads added up as they finish: bytes, seconds, the most workers one used, and the strategy
+/// of the latest that moved bytes (the first read's while none has). A checkpoint shares its
+/// tally with the read-aheads and prefetch loaders reading its files, so a handle's stats count
+/// every read made for it, whichever thread made it.
+#[derive(Debug, Default)]
+pub struct Tally(Mutex<(Report, Option<Strategy>)>);
+
+impl Tally {
+    /// Counts one read that asked for `strategy`.
+    pub fn add(&self, strategy: Strategy, report: &Report) {
+        let strategy = report.ran_with(strategy);
+        let mut tally = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (sum, latest) = &mut *tally;
+        sum.add(&Report {
+            direct_refused: false,
+            ..*report
+        });
+        if report.bytes > 0 || latest.is_none() {
+            *latest = Some(strategy);
+        }
+    }
+
+    /// The reads so far, and the strategy of the latest that moved bytes.
+    pub fn get(&self) -> (Report, Option<Strategy>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Worker count when the caller does not choose: one per core, at least 2, at most 8.
+pub fn default_threads() -> usize {
+    platform::cores().clamp(2, 8)
+}
+
+/// The files a worker reads: shared descriptors, or its own ones opened on first use.
+struct Files<'a> {
+    inputs: &'a [Input<'a>],
+    own_fds: bool,
+    fds: Vec<Option<File>>,
+}
+
+impl<'a> Files<'a> {
+    fn buffered(&mut self, i: usize) -> &File {
+        let input = &self.inputs[i];
+        let shared = (input.backing.file())
+            .expect("a local input: objects in a store are read before any file is asked for");
+        if !self.own_fds {
+            return shared;
+        }
+        if self.fds[i].is_none() {
+            // A path swapped for a FIFO since the source opened it is refused, not waited on.
+            self.fds[i] = platform::open_regular(input.path).ok();
+        }
+        self.fds[i].as_ref().unwrap_or(shared)
+    }
+}
+
+/// One worker's resources: its files, its bounce buffer for aligned uncached reads and its
+/// scratch buffer for chunks that convert.
+struct Worker<'a> {
+    files: Files<'a>,
+    bounce: Option<Region>,
+    scratch: Vec<u8>,
+    direct_refused: &'a AtomicBool,
+    /// Set when the read is stopped (Ctrl-C, another worker's error): remote reads give up.
+    stop: &'a AtomicBool,
+}
+
+impl<'a> Worker<'a> {
+    fn new(
+        inputs: &'a [Input<'a>],
+        own_fds: bool,
+        direct_refused: &'a AtomicBool,
+        stop: &'a AtomicBool,
+    ) -> Self {
+        Worker {
+            files: Files {
+                inputs,
+                own_fds,
+                fds: inputs.iter().map(|_| None).collect(),
+            },
+            bounce: None,
+            scratch: Vec::new(),
+            direct_refused,
+            stop,
+        }
+    }
+
+    /// Reads chunk `index`, then feeds `hash` (its file's, when hashed) with its file bytes.
+    fn read(&mut self, plan: &Plan<'_>, index: usize, hash: Option<&Ordered<'_>>) -> Result<()> {
+        let chunk = &plan.chunks[index];
+        let raw = self.read_raw(plan, chunk)?;
+        if let Some(hash) = hash {
+            let len = chunk.len;
+            let raw = match raw {
+                RawAt::Dests => Raw::Dests,
+                RawAt::Scratch => Raw::Owned(&mut self.scratch),
+                RawAt::Bounce { head } => Raw::Lent(
+                    &(self.bounce.as_mut().and_then(Region::as_bytes_mut))
+                        .expect("the bounce buffer the chunk was read into")
+                        [head..head + len],
+                ),
+            };
+            hash.finished(plan, index, raw, self.stop);
+        }
+        Ok(())
+    }
+
+    /// Reads one chunk into its destinations; returns where its file bytes are.
+    fn read_raw(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<RawAt> {
+        let input = &self.files.inputs[chunk.file];
+        let segments = &plan.segments[chunk.segments.clone()];
+        let to_error = |(done, source): (usize, io::Error)| Error::Read {
+            path: input.path.to_path_buf(),
+            tensor: plan.tensors[tensor_at(segments, done)].clone(),
+            offset: chunk.offset + done as u64,
+            source,
+        };
+        #[cfg(feature = "remote")]
+        if let Backing::Remote(object) = input.backing {
+            return self.read_remote(object, chunk, segments).map_err(to_error);
+        }
+        let direct = input
+            .direct
+            .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
+        let result = match direct.map(|d| self.read_chunk(Some(d), chunk, segments)) {
+            // The filesystem refuses uncached reads: buffered from now on, for every worker.
+            Some(Err((_, e))) if platform::uncached_refused(&e) => {
+                self.direct_refused.store(true, Ordering::Relaxed);
+                self.read_chunk(None, chunk, segments)
+            }
+            Some(done) => done,
+            None => self.read_chunk(None, chunk, segments),
+        };
+        result.map_err(to_error)
+    }
+
+    /// Reads one chunk of an object in a store: one ranged GET (resumed where it fails) straight
+    /// into the segments, or into the scratch buffer when a segment converts.
+    #[cfg(feature = "remote")]
+    fn read_remote(
+        &mut self,
+        object: &crate::storage::remote::Object,
+        chunk: &Chunk,
+        segments: &[Segment],
+    ) -> IoResult<RawAt> {
+        if segments.iter().all(|s| s.transform == Transform::Copy) {
+            let mut dests: Vec<&mut [u8]> = segments
+                .iter()
+                // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+                .map(|s| unsafe { s.dest_mut() })
+                .collect();
+            prefault(dests.iter_mut().map(|d| (d.as_mut_ptr(), d.len())));
+            object.read_into(chunk.offset, &mut dests, self.stop)?;
+            return Ok(RawAt::Dests);
+        }
+        if self.scratch.len() < chunk.len {
+            self.scratch.resize(chunk.len, 0);
+        }
+        let bytes = &mut self.scratch[..chunk.len];
+        object.read_into(chunk.offset, &mut [&mut *bytes], self.stop)?;
+        distribute(bytes, segments)?;
+        Ok(RawAt::Scratch)
+    }
+
+    /// Reads one chunk: straight into its segments when nothing converts and the handle has no
+    /// alignment rule; else its bytes into a worker buffer first, then copied or converted out.
+    fn read_chunk(
+        &mut self,
+        direct: Option<&Uncached>,
+        chunk: &Chunk,
+        segments: &[Segment],
+    ) -> IoResult<RawAt> {
+        let aligned = direct.is_some_and(|d| d.align > 1);
+        let converts = segments.iter().any(|s| s.transform != Transform::Copy);
+        if !aligned && !converts {
+            let file = match direct {
+                Some(d) => &d.file,
+                None => {
+                    let file = self.files.buffered(chunk.file);
+                    // Asked of the page cache first: the disk reads the chunk while this thread
+                    // maps its destination pages, rather than the two taking turns.
+                    platform::prefetch(file, chunk.offset, chunk.len as u64);
+                    file
+                }
+            };
+            preadv_exact(file, chunk.offset, segments)?;
+            return Ok(RawAt::Dests);
+        }
+        let (bytes, at) = match direct {
+            Some(d) if aligned => {
+                let head = (chunk.offset % d.align) as usize;
+                (self.read_aligned(d, chunk)?, RawAt::Bounce { head })
+            }
+            Some(d) => (
+                read_into_scratch(&mut self.scratch, &d.file, chunk)?,
+                RawAt::Scratch,
+            ),
+            None => {
+                let file = self.files.buffered(chunk.file);
+                (
+                    read_into_scratch(&mut self.scratch, file, chunk)?,
+                    RawAt::Scratch,
+                )
+            }
+        };
+        distribute(bytes, segments)?;
+        // Copied out: the destinations hold the file's bytes too.
+        Ok(if converts { at } else { RawAt::Dests })
+    }
+
+    /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
+    /// the chunk's own bytes once the file is confirmed to still cover them.
+    fn read_aligned(&mut self, direct: &Uncached, chunk: &Chunk) -> IoBytes<'_> {
+        let align = direct.align;
+        let start = chunk.offset / align * align;
+        let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
+        let span = (end - start) as usize;
+        if self.bounce.as_ref().is_none_or(|b| b.len() < span) {
+            self.bounce = Some(Region::alloc_mapped(span).map_err(|e| (0, e))?);
+        }
+        let head = (chunk.offset - start) as usize;
+        let need = head + chunk.len;
+        let bounce = self
+            .bounce
+            .as_mut()
+            .and_then(Region::as_bytes_mut)
+            .expect("a mapped bounce buffer, allocated above");
+        let mut got = 0usize;
+        while got < need {
+            // `got` stays a multiple of `align` (checked below), as uncached reads require; the
+            // bounce buffer is aligned to the OS's map alignment, a multiple of `align`.
+            match platform::read_at(&direct.file, &mut bounce[got..span], start + got as u64) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err((got.saturating_sub(head), e)),
+                Ok(0) => return Err((got.saturating_sub(head), ended_early(need - got))),
+                Ok(n) => got += n,
+            }
+            if got < need && !(got as u64).is_multiple_of(align) {
+                // An unaligned short read cannot be continued uncached: the rest buffered.
+                let from = got.max(head);
+                let file = self.files.buffered(chunk.file);
+                let rest = &mut bounce[from..need];
+                let at = start + from as u64;
+                let n = platform::read_fully_at(file, rest, at).map_err(|e| (from - head, e))?;
+                if n < rest.len() {
+                    return Err((from - head + n, ended_early(rest.len() - n)));
+                }
+                break;
+            }
+        }
+        backing::confirm_covered(&direct.file, chunk.offset, chunk.len)?;
+        Ok(&bounce[head..need])
+    }
+}
+
+/// Reads a chunk's bytes into `scratch` (grown as needed; [`backing::read_exact_at`]); returns
+/// them.
+fn read_into_scratch<'s>(scratch: &'s mut Vec<u8>, file: &File, chunk: &Chunk) -> IoBytes<'s> {
+    if scratch.len() < chunk.len {
+        scratch.resize(chunk.len, 0);
+    }
+    let buf = &mut scratch[..chunk.len];
+    backing::read_exact_at(file, buf, chunk.offset)?;
+    Ok(buf)
+}
+
+/// Copies or converts a chunk's bytes, in order, into its segments.
+fn distribute(bytes: &[u8], segments: &[Segment]) -> IoResult {
+    let mut from = 0usize;
+    for s in segments {
+        let src = &bytes[from..from + s.len];
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        let dest = unsafe { s.dest_mut() };
+        match s.transform {
+            Transform::Copy => dest.copy_from_slice(src),
+            Transform::Convert { from: a, to: b } => {
+                crate::format::convert::convert(a, b, src, dest).map_err(|e| {
+                    (
+                        from,
+                        io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
+                    )
+                })?
+            }
+        }
+        from += s.len;
+    }
+    Ok(())
+}
+
+/// Where a chunk's file bytes are once it is read (what its hash is computed from).
+#[derive(Clone, Copy)]
+enum RawAt {
+    /// In its destinations: every segment copies.
+    Dests,
+    /// In the first bytes of the worker's scratch buffer.
+    Scratch,
+    /// In the worker's bounce buffer, from `head` on.
+    Bounce { head: usize },
+}
+
+/// On failure: how many of the chunk's bytes were read before the error, and the error.
+type IoResult<T = ()> = std::result::Result<T, (usize, io::Error)>;
+type IoBytes<'b> = std::result::Result<&'b [u8], (usize, io::Error)>;
+
+/// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
+pub fn execute(
+    inputs: &[Input<'_>],
+    plan: &Plan<'_>,
+    settings: Settings,
+    poll: &mut dyn FnMut() -> bool,
+) -> Result<Report> {
+    let started = Instant::now();
+    let threads = settings.threads.max(1).min(plan.chunks.len().max(1));
+    let direct_refused = AtomicBool::new(false);
+    let report = |threads| Report {
+        bytes: plan.total_bytes(),
+        seconds: started.elapsed().as_secs_f64(),
+        threads,
+        direct_refused: direct_refused.load(Ordering::Relaxed),
+    };
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    // A request to a store may wait long (a stalled server): it always runs on a worker, while
+    // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
+    let remote = inputs.iter().any(|i| i.backing.is_remote());
+    let inline = !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES);
+    let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads });
+    let hash_of = |chunk: usize| hashes[plan.chunks[chunk].file].as_ref();
+    if inline {
+        let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
+        for i in 0..plan.chunks.len() {
+            if poll() {
+                return Err(Error::Cancelled);
+            }
+            worker.read(plan, i, hash_of(i))?;
+        }
+        return Ok(report(1));
+    }
+
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    let finished = (Mutex::new(0usize), Condvar::new());
+
+    let cancelled = std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused, &stop);
+                while !stop.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= plan.chunks.len() {
+                        break;
+                    }
+                    if let Err(e) = worker.read(plan, i, hash_of(i)) {
+                        stop.store(true, Ordering::Relaxed);
+                        failure
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        break;
+                    }
+                }
+                let (count, cv) = &finished;
+                *count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+                cv.notify_one();
+            });
+        }
+        wait_for(&finished, threads, &stop, poll)
+    });
+    if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    if cancelled {
+        return Err(Error::Cancelled);
+    }
+    Ok(report(threads))
+}
+
+/// Each input's hash, taken for a read of `plan` by `workers` workers where it is asked for and
+/// started (given back to its source when dropped).
+fn claim_hashes<'s>(
+    inputs: &[Input<'s>],
+    plan: &Plan<'_>,
+    workers: usize,
+) -> Vec<Option<Ordered<'s>>> {
+    let claim = |(i, input): (usize, &Input<'s>)| {
+        (input.hash).and_then(|slot| Ordered::claim(slot, plan, i, workers))
+    };
+    inputs.iter().enumerate().map(claim).collect()
+}
+
+/// Waits until the `threads` workers have counted themselves in `finished`, calling `poll` every
+/// [`POLL_INTERVAL`]; when it asks to cancel, sets `stop` and returns true (after the wait).
+fn wait_for(
+    finished: &(Mutex<usize>, Condvar),
+    threads: usize,
+    stop: &AtomicBool,
+    poll: &mut dyn FnMut() -> bool,
+) -> bool {
+    let (count, cv) = finished;
+    let mut cancelled = false;
+    let mut done = count.lock().unwrap_or_else(|p| p.into_inner());
+    while *done < threads {
+        done = (cv.wait_timeout(done, POLL_INTERVAL))
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        if !cancelled && *done < threads && poll() {
+            cancelled = true;
+            stop.store(true, Ordering::Relaxed);
+        }
+    }
+    cancelled
+}
+
+/// The tensor whose bytes sit `pos` bytes into the chunk.
+fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
+    for s in segments {
+        if pos < s.len {
+            return s.tensor;
+        }
+        pos -= s.len;
+    }
+    segments.last().map_or(0, |s| s.tensor)
+}
+
+/// Fills every segment from `offset` on, retrying short reads and EINTR; then confirms the file
+/// still covers them ([`backing::confirm_covered`]). On failure returns how many bytes were read
+/// before it.
+fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
+    let mut bufs: Vec<IoSliceMut<'_>> = segments
+        .iter()
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
+        .collect();
+    prefault(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
+    let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
+    let mut done = 0usize;
+    while !rest.is_empty() {
+        match platform::read_vectored_at(file, rest, offset + done as u64) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((done, e)),
+            Ok(0) => return Err((done, ended_early(rest.iter().map(|b| b.len()).sum()))),
+            Ok(n) => {
+                done += n;
+                IoSliceMut::advance_slices(&mut rest, n);
+            }
+        }
+    }
+    backing::confirm_covered(file, offset, done)
+}
+
+/// Maps the destination pages of one read ahead of it ([`platform::prefault`]): destinations
+/// that follow each other in memory (small tensors packed in an arena) as one span.
+fn prefault(dests: impl Iterator<Item = (*mut u8, usize)>) {
+    let mut span: Option<(usize, usize)> = None;
+    for (ptr, len) in dests {
+        let (start, end) = (ptr as usize, ptr as usize + len);
+        span = match span {
+            Some((s, e)) if start >= e && start - e < 4096 => Some((s, end)),
+            Some((s, e)) => {
+                platform::prefault(s as *mut u8, e - s);
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((s, e)) = span {
+        platform::prefault(s as *mut u8, e - s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, Backing) {
+        let path =
+            std::env::temp_dir().join(format!("safeload-engine-{}-{tag}", std::process::id()));
+        File::create(&path).unwrap().write_all(bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        (path, Backing::File(file))
+    }
+
+    fn open_direct(path: &Path) -> Option<Uncached> {
+        platform::open_uncached(path)
+    }
+
+    fn settings(threads: usize) -> Settings {
+        Settings {
+            threads,
+            own_fds: false,
+        }
+    }
+
+    #[test]
+    fn reads_every_byte_with_threads_odd_sizes_and_direct_io() {
+        let data: Vec<u8> = (0..20_000_003u32).map(|i| (i % 251) as u8).collect();
+        let (path, file) = temp_file(&data, "every");
+        let direct = open_direct(&path);
+        let sizes = [
+            1usize,
+            7,
+            4096,
+            3 << 20,
+            9_999_999,
+            0,
+            20_000_003 - (1 + 7 + 4096 + (3 << 20) + 9_999_999),
+        ];
+        for (threads, own_fds, use_direct) in [
+            (1, false, false),
+            (2, false, true),
+            (5, true, false),
+            (3, true, true),
+        ] {
+            let mut bufs = crate::read::buffer::allocate(&sizes).unwrap();
+            let mut plan = Plan::new(1 << 20);
+            let mut at = 0u64;
+            for (b, &len) in bufs.iter_mut().zip(&sizes) {
+                plan.add(0, at, b.as_mut_slice(), "t");
+                at += len as u64;
+            }
+            let inputs = [Input {
+                path: &path,
+                backing: &file,
+                direct: if use_direct { direct.as_ref() } else { None },
+                hash: None,
+            }];
+            let report =
+                execute(&inputs, &plan, Settings { threads, own_fds }, &mut || false).unwrap();
+            assert_eq!(report.bytes, data.len() as u64);
+            drop(plan);
+            let mut at = 0usize;
+            for (b, &len) in bufs.iter().zip(&sizes) {
+                assert_eq!(
+                    b.as_slice(),
+                    &data[at..at + len],
+                    "threads {threads} direct {use_direct}"
+                );
+                at += len;
+            }
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn short_file_names_tensor_and_offset() {
+        let (path, file) = temp_file(&[1u8; 100], "short");
+        let direct = open_direct(&path);
+        for direct in [None, direct.as_ref()] {
+            let mut bufs = crate::read::buffer::allocate(&[50, 80]).unwrap();
+            let [first, second] = &mut bufs[..] else {
+                unreachable!()
+            };
+            let mut plan = Plan::new(1 << 20);
+            plan.add(0, 0, first.as_mut_slice(), "first");
+            plan.add(0, 50, second.as_mut_slice(), "second");
+            let inputs = [Input {
+                path: &path,
+                backing: &file,
+                direct,
+                hash: None,
+            }];
+            let err = execute(&inputs, &plan, settings(1), &mut || false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("tensor second") && err.contains("offset 100"),
+                "{err}"
+            );
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    /// A read that gets every byte it asked for, of a file whose length says it no longer holds
+    /// them, is what a read racing a truncation returns on Linux: the size is lowered first, the
+    /// cut-off part of the page the read holds zeroed after. `/dev/zero` is such a file at once:
+    /// every read is answered in full (zeros), and its length is 0.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn full_read_the_file_no_longer_covers_names_tensor_and_offset() {
+        let path = Path::new("/dev/zero");
+        let zeros = Backing::File(File::open(path).unwrap());
+        for converts in [false, true] {
+            let mut bufs =
+                crate::read::buffer::allocate(&[50, if converts { 160 } else { 80 }]).unwrap();
+            let [first, second] = &mut bufs[..] else {
+                unreachable!()
+            };
+            let mut plan = Plan::new(1 << 20);
+            plan.add(0, 4096, first.as_mut_slice(), "first");
+            let (f16, f32) = (
+                crate::format::dtype::Dtype::F16,
+                crate::format::dtype::Dtype::F32,
+            );
+            match converts {
+                true => plan.add_converting(0, 4146, second.as_mut_slice(), f16, f32, "second"),
+                false => plan.add(0, 4146, second.as_mut_slice(), "second"),
+            }
+            let inputs = [Input {
+                path,
+                backing: &zeros,
+                direct: None,
+                hash: None,
+            }];
+            let err = execute(&inputs, &plan, settings(1), &mut || false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("tensor first")
+                    && err.contains("offset 4096")
+                    && err.contains("130 bytes missing (truncated while reading?)"),
+                "converts {converts}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn poll_cancels() {
+        let (path, file) = temp_file(&[0u8; 64 << 10], "cancel");
+        let mut bufs = crate::read::buffer::allocate(&[64 << 10]).unwrap();
+        let mut plan = Plan::new(4096);
+        plan.add(0, 0, bufs[0].as_mut_slice(), "t");
+        let inputs = [Input {
+            path: &path,
+            backing: &file,
+            direct: None,
+            hash: None,
+        }];
+        let err = execute(&inputs, &plan, settings(1), &mut || true).unwrap_err();
+        assert!(matches!(err, Error::Cancelled));
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -1,0 +1,128 @@
+//! What a [`crate::read::source::Source`] reads from: a local file (pread, uncached reads, maps), or an
+//! object in a store read with ranged GETs (`remote`, the pread path only).
+//!
+//! Also the one rule every read of a local file ends with ([`confirm_covered`]): a read that got
+//! all its bytes still fails when the file no longer covers them.
+
+use std::fs::File;
+use std::io;
+
+use crate::platform;
+
+pub enum Backing {
+    File(File),
+    #[cfg(feature = "remote")]
+    Remote(crate::storage::remote::Object),
+}
+
+impl Backing {
+    /// The local file; None for an object in a store.
+    pub fn file(&self) -> Option<&File> {
+        match self {
+            Backing::File(file) => Some(file),
+            #[cfg(feature = "remote")]
+            Backing::Remote(_) => None,
+        }
+    }
+
+    pub fn is_remote(&self) -> bool {
+        self.file().is_none()
+    }
+
+    /// Fills `buf` from `offset`: a file or object that ends before, or no longer covers, all
+    /// of it is an `UnexpectedEof` error ([`ended_early`]).
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Covered {
+        match self {
+            Backing::File(file) => read_exact_at(file, buf, offset),
+            #[cfg(feature = "remote")]
+            Backing::Remote(object) => {
+                // An object's length is fixed when it is opened (a changed object fails its
+                // requests): only a short answer needs telling.
+                let got = object.read_fully_at(buf, offset).map_err(|e| (0, e))?;
+                match buf.len() - got {
+                    0 => Ok(()),
+                    missing => Err((got, ended_early(missing))),
+                }
+            }
+        }
+    }
+}
+
+/// On failure: how many of the bytes asked for can be trusted (read, and still in the file),
+/// and the error.
+pub type Covered = Result<(), (usize, io::Error)>;
+
+/// Fills `buf` from `offset` of `file`, retrying short reads; then [`confirm_covered`].
+pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> Covered {
+    let got = platform::read_fully_at(file, buf, offset).map_err(|e| (0, e))?;
+    if got < buf.len() {
+        return Err((got, ended_early(buf.len() - got)));
+    }
+    confirm_covered(file, offset, buf.len())
+}
+
+/// After a read of `file` returned all `len` bytes at `offset`: fails, as a short read would,
+/// unless the file still covers them.
+///
+/// A truncation lowers the file's size first, then zeroes in place the part past the new end of
+/// the page that straddles it (on Linux with large folios, up to 2 MiB of it:
+/// `truncate_inode_partial_folio`). A read that sampled the old size and holds that page copies
+/// the zeros and returns full length (issue 52), so no byte count tells; the size asked after
+/// the read does, since it was lowered before the zeros were written. One `lseek`
+/// ([`platform::file_len`]) per call: callers ask once per chunk (MiB-sized), never per tensor.
+pub fn confirm_covered(file: &File, offset: u64, len: usize) -> Covered {
+    let end = offset + len as u64;
+    let file_len = platform::file_len(file).map_err(|e| (0, e))?;
+    if file_len >= end {
+        return Ok(());
+    }
+    let kept = file_len.saturating_sub(offset);
+    Err((kept as usize, ended_early(len - kept as usize)))
+}
+
+/// The error of a read that a file's end cut short: a short read, or one [`confirm_covered`]
+/// found past the end.
+pub fn ended_early(missing: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        format!("file ended early, {missing} bytes missing (truncated while reading?)"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn bytes_the_file_no_longer_covers_fail_as_a_short_read_does() {
+        let path = std::env::temp_dir().join(format!("safeload-backing-{}", std::process::id()));
+        File::create(&path).unwrap().write_all(&[7u8; 100]).unwrap();
+        let file = File::open(&path).unwrap();
+        let mut buf = [0u8; 50];
+        read_exact_at(&file, &mut buf, 50).unwrap();
+        assert_eq!(buf, [7u8; 50]);
+        // Cut after the read returned: its bytes past the new end may be a truncation's zeros.
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(60)
+            .unwrap();
+        let message = "file ended early, 40 bytes missing (truncated while reading?)";
+        let (kept, err) = confirm_covered(&file, 50, 50).unwrap_err();
+        assert_eq!((kept, err.kind()), (10, io::ErrorKind::UnexpectedEof));
+        assert_eq!(err.to_string(), message);
+        // Read again now: short, and the same error.
+        let (got, err) = read_exact_at(&file, &mut buf, 50).unwrap_err();
+        assert_eq!((got, err.to_string().as_str()), (10, message));
+        confirm_covered(&file, 0, 60).unwrap();
+        confirm_covered(&file, 60, 0).unwrap();
+        let backing = Backing::File(file);
+        assert_eq!(
+            backing.read_exact_at(&mut buf[..10], 50).map_err(|e| e.0),
+            Ok(())
+        );
+        std::fs::remove_file(path).unwrap();
+    }
+}
