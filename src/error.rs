@@ -31,7 +31,7 @@ pub enum Error {
     /// A slice that cannot be taken; the message is complete (0.8's wording).
     Slice(String),
     /// An index out of range (or more indices than dimensions) under torch's bounds
-    /// ([`crate::format::slice::Bounds::Clamp`]): a `SafetensorError` that is also an `IndexError`, as
+    /// (`crate::format::slice::Bounds::Clamp`): a `SafetensorError` that is also an `IndexError`, as
     /// torch indexing raises. The message is complete (0.8's wording).
     SliceIndex(String),
     /// An accelerator load's staging ring that cannot be set up as asked; the message is
@@ -52,7 +52,7 @@ pub enum Error {
     /// is complete (safetensors 0.9's wording).
     Prefetch(String),
     /// A load into new memory that would not fit what the process may still take (see
-    /// [`crate::read::memory`]); the message is complete. Raised before anything is read.
+    /// `crate::read::memory`); the message is complete. Raised before anything is read.
     Memory(String),
     /// A handle, checkpoint or loader used after it was closed; names what was closed.
     Closed(&'static str),
@@ -139,7 +139,7 @@ impl Error {
 }
 
 /// Every message names URLs without their secrets (user info, signature and token query values:
-/// [`crate::storage::redact::redact`]), whichever part of it carries them: a path, a store's own error.
+/// `crate::storage::redact::redact`), whichever part of it carries them: a path, a store's own error.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let message = Unredacted(self).to_string();

@@ -237,7 +237,7 @@ impl Checkpoint {
         self.strategy_for(Purpose::Views)
     }
 
-    /// How a read for `purpose` is done ([`strategy::for_purpose`]): the first shard's resolution
+    /// How a read for `purpose` is done (`strategy::for_purpose`): the first shard's resolution
     /// of the backend stands for all, resolved at the first call.
     pub fn strategy_for(&self, purpose: Purpose) -> Strategy {
         let (resolved, cached) = self.resolution();

@@ -95,10 +95,10 @@ impl Checkpoint {
     }
 
     /// Pins every shard to a digest (`verify=`), resolved now, before anything is read
-    /// ([`verify::expectations`]); the checkpoint must hash its reads ([`ReadOptions::hash`]).
+    /// (`verify::expectations`); the checkpoint must hash its reads (`ReadOptions::hash`).
     /// `root`: what names are relative to ([`Checkpoint::root_of`]). A shard with no digest (a
-    /// lenient [`Pin::Known`]) loads as it would unpinned; when none has one, nothing is hashed.
-    /// `record`: the verified record ([`crate::checkpoint::record`]): a local file it vouches for is read
+    /// lenient `Pin::Known`) loads as it would unpinned; when none has one, nothing is hashed.
+    /// `record`: the verified record (`crate::checkpoint::record`): a local file it vouches for is read
     /// as unpinned, and one that hashes right is remembered in it.
     ///
     /// [`ReadOptions::hash`]: crate::read::source::ReadOptions::hash

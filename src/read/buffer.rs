@@ -141,7 +141,7 @@ fn oom() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::OutOfMemory, "out of memory")
 }
 
-/// The bytes of one tensor: a range of a shared [`Region`] that keeps it alive.
+/// The bytes of one tensor: a range of a shared `Region` that keeps it alive.
 #[derive(Clone)]
 pub struct TensorBytes {
     storage: Option<Arc<Region>>,
@@ -222,7 +222,7 @@ impl TensorBytes {
         })
     }
 
-    /// What keeps memory owned elsewhere alive ([`Fresh::external`]); None for our own memory.
+    /// What keeps memory owned elsewhere alive (`Fresh::external`); None for our own memory.
     pub fn keep(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
         match self.storage.as_deref() {
             Some(Region::External { keep, .. }) => Some(keep.as_ref()),
