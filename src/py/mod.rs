@@ -65,14 +65,9 @@ fn redact(text: &str) -> String {
     crate::storage::redact::redact(text).into_owned()
 }
 
-/// A path as messages and logs show it: a URL without its secrets ([`crate::storage::redact::redact`]).
+/// A path as messages and logs show it (`crate::storage::redact::shown`).
 fn shown(path: &std::path::Path) -> std::path::PathBuf {
-    match path.to_str() {
-        Some(text) if crate::storage::remote::is_url(path) => {
-            crate::storage::redact::redact(text).into_owned().into()
-        }
-        _ => path.to_path_buf(),
-    }
+    crate::storage::redact::shown(path)
 }
 
 /// Each shard of a pinned checkpoint with where its digest came from (None: loaded

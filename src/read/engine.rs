@@ -401,7 +401,7 @@ pub fn execute(
     let stop = AtomicBool::new(false);
     // A request to a store may wait long (a stalled server): it always runs on a worker, while
     // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
-    let remote = inputs.iter().any(|i| i.backing.is_remote());
+    let remote = inputs.iter().any(|i| i.backing.may_wait_long());
     let inline = !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES);
     let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads });
     let hash_of = |chunk: usize| hashes[plan.chunks[chunk].file].as_ref();

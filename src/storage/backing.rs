@@ -9,6 +9,11 @@ use std::io;
 
 use crate::platform;
 
+/// Workers for objects in a store: requests in flight, each waiting on a round trip.
+pub const STORE_THREADS: usize = 32;
+/// Bytes per ranged GET.
+pub const STORE_CHUNK_BYTES: usize = 16 << 20;
+
 pub enum Backing {
     File(File),
     #[cfg(feature = "remote")]
@@ -25,8 +30,24 @@ impl Backing {
         }
     }
 
-    pub fn is_remote(&self) -> bool {
+    /// Whether it can be mapped or read around the page cache (a local file); an object in a
+    /// store is read with ranged GETs only, whatever was asked for.
+    pub fn can_map(&self) -> bool {
+        self.file().is_some()
+    }
+
+    /// Whether a read may wait long (a request to a store, on a stalled server): such reads
+    /// run on workers while the caller's thread polls for cancellation. A file's never do.
+    pub fn may_wait_long(&self) -> bool {
         self.file().is_none()
+    }
+
+    /// The reader's defaults this storage asks for, `(workers, bytes per request)`, over the
+    /// filesystem's: a store wants many requests in flight, each a round trip. None for a file.
+    pub fn defaults(&self) -> Option<(usize, usize)> {
+        self.file()
+            .is_none()
+            .then_some((STORE_THREADS, STORE_CHUNK_BYTES))
     }
 
     /// Fills `buf` from `offset`: a file or object that ends before, or no longer covers, all

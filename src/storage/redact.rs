@@ -133,6 +133,15 @@ fn secret_key(key: &str) -> bool {
     .any(|s| key.contains(s))
 }
 
+/// A path or URL as messages and logs show it: a URL without its secrets ([`redact`]); a path
+/// has none, and is shown as it is.
+pub fn shown(path: &std::path::Path) -> std::path::PathBuf {
+    match path.to_str() {
+        Some(text) => redact(text).into_owned().into(),
+        None => path.to_path_buf(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

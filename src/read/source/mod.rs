@@ -169,7 +169,7 @@ impl Source {
         backend: Backend,
         opts: &ReadOptions,
     ) -> (Strategy, Option<f64>) {
-        if self.backing.is_remote() {
+        if !self.backing.can_map() {
             // Objects in a store are read with ranged GETs, whatever was asked for.
             return (Strategy::Pread, None);
         }
@@ -354,10 +354,10 @@ pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
         .iter()
         .map(|s| s.kind)
         .find(|k| matches!(k, FsKind::Network(_)));
-    let remote = sources.iter().any(|s| s.backing.is_remote());
-    opts.chunk_bytes.unwrap_or_else(|| match remote {
-        true => remote::CHUNK_BYTES,
-        false => strategy::chunk_bytes_for(kind.unwrap_or(FsKind::Local)),
+    let storage = sources.iter().find_map(|s| s.backing.defaults());
+    opts.chunk_bytes.unwrap_or_else(|| match storage {
+        Some((_, chunk_bytes)) => chunk_bytes,
+        None => strategy::chunk_bytes_for(kind.unwrap_or(FsKind::Local)),
     })
 }
 
@@ -396,8 +396,8 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     let cores = engine::default_threads();
     Settings {
         threads: opts.threads.unwrap_or_else(|| {
-            if sources.iter().any(|s| s.backing.is_remote()) {
-                return remote::THREADS;
+            if let Some((threads, _)) = sources.iter().find_map(|s| s.backing.defaults()) {
+                return threads;
             }
             let kind = network.map_or(FsKind::Local, |s| s.kind);
             let in_flight = network

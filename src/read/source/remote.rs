@@ -16,11 +16,6 @@ use crate::format::header;
 #[cfg(feature = "remote")]
 use crate::platform::FsKind;
 
-/// Workers for objects in a store: requests in flight, each waiting on a round trip.
-pub const THREADS: usize = 32;
-/// Bytes per ranged GET.
-pub const CHUNK_BYTES: usize = 16 << 20;
-
 impl Source {
     #[cfg(feature = "remote")]
     pub(super) fn open_remote(
