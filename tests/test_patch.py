@@ -60,8 +60,8 @@ def handle_spy(monkeypatch) -> List[str]:
     calls: List[str] = []
     real = safeload._open.Handle
 
-    def spy(path: Any, backend: str = "auto", **kwargs: Any) -> Any:
-        calls.append(backend)
+    def spy(path: Any, backend: Any = None, **kwargs: Any) -> Any:
+        calls.append("auto" if backend is None else backend)  # None: the reader's default, "auto"
         return real(path, backend, **kwargs)
 
     monkeypatch.setattr(safeload._open, "Handle", spy)

@@ -29,7 +29,7 @@ _strided = torch.strided
 COPY_BATCH_BYTES = 256 << 20
 
 
-def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: str = DEFAULT_BACKEND,
+def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: Optional[str] = DEFAULT_BACKEND,
               threads: Optional[int] = None, chunk_bytes: Optional[int] = None,
               drop_cache: bool = False, storage_options: Optional[Dict[str, Any]] = None,
               verify: Any = None, verify_cache: Any = None) -> Stats:
@@ -91,7 +91,7 @@ def _custom_loading(model: Any) -> bool:
     return bool(getattr(model, "_state_dict_pre_hooks", None))
 
 
-def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: str = DEFAULT_BACKEND,
+def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: Optional[str] = DEFAULT_BACKEND,
                     **kwargs: Any) -> Optional[Tuple[Any, List[str]]]:
     """safetensors' ``load_model`` semantics, reading straight into the model's tensors.
     Returns (missing, unexpected), or None when the model loads its state its own way (the
@@ -102,7 +102,7 @@ def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: st
         return _load_model_into(model, path_or_paths, backend, **kwargs)
 
 
-def _load_model_into(model: Any, path_or_paths: Any, backend: str, **kwargs: Any) -> Tuple[Any, List[str]]:
+def _load_model_into(model: Any, path_or_paths: Any, backend: Optional[str], **kwargs: Any) -> Tuple[Any, List[str]]:
     state = model.state_dict()
     ckpt = Checkpoint(path_or_paths, backend, **kwargs)
     try:

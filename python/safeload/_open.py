@@ -11,7 +11,8 @@ from ._frameworks import (CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, t
 from ._safeload import Handle, Importer, SafetensorError
 from ._stats import Stats
 
-DEFAULT_BACKEND = "auto"
+#: No backend named: the reader's default ("auto", or ``$SAFELOAD_BACKEND``), decided in Rust.
+DEFAULT_BACKEND = None
 
 
 def _framework(framework: Any) -> str:
@@ -30,7 +31,7 @@ class safe_open:
         filename: ``str`` or ``os.PathLike``.
         framework: ``"pt"``, ``"np"``, ``"tf"``, ``"flax"``, ``"mlx"`` or ``"paddle"``.
         device: ``"cpu"`` (default), ``"cuda:N"``, ``"mps"``, an int, or a ``torch.device``.
-        backend: ``"auto"`` (default: chosen per file from the filesystem and the page cache),
+        backend: ``"auto"`` (the default, when None: chosen per file from the filesystem and the page cache),
             ``"pread"`` (parallel reader), ``"direct"`` (O_DIRECT, around the page cache), or
             ``"mmap"`` (zero-copy private mappings, as safetensors' default).
             ``$SAFELOAD_BACKEND`` replaces the default.
@@ -53,7 +54,7 @@ class safe_open:
         framework: str,
         device: Any = "cpu",
         *,
-        backend: str = DEFAULT_BACKEND,
+        backend: Optional[str] = DEFAULT_BACKEND,
         threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         drop_cache: bool = False,
@@ -211,7 +212,7 @@ class safe_open:
 class _safe_open_handle(safe_open):
     """``safe_open`` over an already open file object (uses its ``name``)."""
 
-    def __init__(self, f: Any, framework: str, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> None:  # noqa: E501
+    def __init__(self, f: Any, framework: str, device: Any = "cpu", *, backend: Optional[str] = DEFAULT_BACKEND) -> None:  # noqa: E501
         f.fileno  # noqa: B018 - 0.8 requires a real file object
         super().__init__(f.name, framework, device, backend=backend)
 

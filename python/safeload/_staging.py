@@ -253,7 +253,7 @@ def load_to_device(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
-    backend: str = "auto",
+    backend: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
 ) -> Tuple[Dict[str, Any], StagingStats]:
     """Loads tensors of one or more files onto ``device`` through the staging ring.

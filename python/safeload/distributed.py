@@ -231,7 +231,7 @@ def load_checkpoint(
     plan: Optional[Dict[str, Any]] = None,
     ranks_needing: Optional[Dict[str, Iterable[int]]] = None,
     selection: Optional[Iterable[str]] = None,
-    backend: str = "auto",
+    backend: Optional[str] = None,
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
@@ -338,7 +338,7 @@ def _read_and_exchange(dist: Any, group: Any, rank: int, comm: Any, ckpt: Any, e
     return exchange.finish(entries)
 
 
-def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: str,
+def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: Optional[str],
                threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool,
                dtype: Any, storage_options: Optional[Dict[str, Any]], verify: Any, verify_cache: Any) -> Any:
     """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need

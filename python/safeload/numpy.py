@@ -66,7 +66,7 @@ def load(data: bytes) -> Dict[str, np.ndarray]:
     return {name: to_numpy(v["dtype"], v["shape"], v["data"], name) for name, v in deserialize(data)}
 
 
-def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: str = DEFAULT_BACKEND,
+def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: Optional[str] = DEFAULT_BACKEND,
               storage_options: Optional[Dict[str, Any]] = None, verify: Any = None,
               verify_cache: Any = None) -> Dict[str, np.ndarray]:
     """Loads every array of ``filename`` (in parallel, into memory each array owns). ``verify``:

@@ -99,7 +99,7 @@ def _make(key: str, original: Any) -> Any:
             __doc__ = base.__doc__
 
             def __init__(self, filename: Any, framework: str, device: Any = "cpu", *,
-                         backend: str = DEFAULT_BACKEND, **kwargs: Any) -> None:
+                         backend: Optional[str] = DEFAULT_BACKEND, **kwargs: Any) -> None:
                 super().__init__(filename, framework, device, backend=_backend(backend), **kwargs)
 
         safe_open.__module__ = __name__  # repr: <class 'safeload.patch.safe_open'>
@@ -127,14 +127,14 @@ def _make(key: str, original: Any) -> Any:
     target = getattr(impl, key.rsplit(".", 1)[1])
     if key == "safetensors.torch.load_file":
 
-        def load_file(filename: Any, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND) -> Any:
+        def load_file(filename: Any, device: Any = "cpu", *, backend: Optional[str] = DEFAULT_BACKEND) -> Any:
             return target(filename, device=device, backend=_backend(backend))
 
         fn: Callable[..., Any] = load_file
     elif key == "safetensors.torch.load_model":
 
         def load_model(model: Any, filename: Any, strict: bool = True, device: Any = "cpu", *,
-                       backend: str = DEFAULT_BACKEND) -> Any:
+                       backend: Optional[str] = DEFAULT_BACKEND) -> Any:
             return target(model, filename, strict=strict, device=device, backend=_backend(backend))
 
         fn = load_model
@@ -146,7 +146,7 @@ def _make(key: str, original: Any) -> Any:
         fn = load
     elif key == "safetensors.numpy.load_file":
 
-        def load_file(filename: Any, *, backend: str = DEFAULT_BACKEND) -> Any:  # type: ignore[misc]
+        def load_file(filename: Any, *, backend: Optional[str] = DEFAULT_BACKEND) -> Any:  # type: ignore[misc]
             return target(filename, backend=_backend(backend))
 
         fn = load_file

@@ -147,7 +147,7 @@ def save_model(
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_file(filename: PathLike, device: Any = "cpu", *, backend: str = DEFAULT_BACKEND,
+def load_file(filename: PathLike, device: Any = "cpu", *, backend: Optional[str] = DEFAULT_BACKEND,
               dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None,
               verify: Any = None, verify_cache: Any = None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of ``filename`` (a path or a URL; in parallel, into memory each tensor
@@ -178,7 +178,7 @@ def load_model(
     strict: bool = True,
     device: Any = "cpu",
     *,
-    backend: str = DEFAULT_BACKEND,
+    backend: Optional[str] = DEFAULT_BACKEND,
     storage_options: Optional[Dict[str, Any]] = None,
     verify: Any = None,
     verify_cache: Any = None,
@@ -217,7 +217,7 @@ def load_checkpoint(
     path_or_paths: Any,
     device: Any = "cpu",
     *,
-    backend: str = DEFAULT_BACKEND,
+    backend: Optional[str] = DEFAULT_BACKEND,
     process_group: Any = None,
     plan: Optional[Dict[str, Any]] = None,
     ranks_needing: Optional[Dict[str, Iterable[int]]] = None,
