@@ -21,6 +21,7 @@ use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::read::buffer::TensorBytes;
 use crate::read::engine::{Report, Tally};
+use crate::read::readahead::Mode;
 use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::read::strategy::{self, Backend, Purpose, Strategy};
 
@@ -243,6 +244,19 @@ impl Checkpoint {
         let (resolved, cached) = self.resolution();
         let refused = self.direct_refused.load(Ordering::Relaxed);
         strategy::for_purpose(resolved, cached, purpose, refused)
+    }
+
+    /// What is read ahead of the caller's asks on shard `shard`, and where (None: nothing), for
+    /// every read-ahead (a handle's tensors pulled one at a time, a prefetch loader's plan): by
+    /// `Mode::ahead`'s rule for the strategy whole tensors are read with; nothing for a pinned
+    /// shard, whose tensors come from its hashed bytes.
+    pub fn ahead(&self, shard: usize, provided: bool, eager: bool) -> Option<Mode> {
+        if self.pinned_shard(shard) {
+            return None;
+        }
+        Mode::ahead(self.strategy(), provided, eager, || {
+            self.shards[shard].cached()
+        })
     }
 
     /// Where reads made for this checkpoint on other threads (read-aheads, prefetch loaders)

@@ -107,7 +107,7 @@ impl Prefetch {
     pub(super) fn start(
         (source, tally): (Arc<Source>, Arc<Tally>),
         plan: Option<Vec<(String, Rows)>>,
-        strategy: Strategy,
+        (strategy, mode): (Strategy, Mode),
         makers: Makers,
         opts: ReadOptions,
         budget: u64,
@@ -122,11 +122,6 @@ impl Prefetch {
             item_of[at] = i;
         }
         let n = items.len();
-        let mode = if makers.allocate.is_some() {
-            Mode::Provided
-        } else {
-            Mode::for_strategy(strategy)
-        };
         let ahead = ReadAhead::eager(source.clone(), tally.clone(), items, mode, opts, budget);
         Ok(Prefetch {
             source,

@@ -5,13 +5,13 @@ use pyo3::prelude::*;
 
 use super::Handle;
 use crate::checkpoint::Checkpoint;
+use crate::error::Error;
 use crate::format::header::TensorInfo;
 use crate::py::errors::detached;
 use crate::py::prefetch::{Makers, Prefetch};
 use crate::py::provided;
 use crate::read::prefetch::Rows;
 use crate::read::readahead::{self, Mode, ReadAhead};
-use crate::read::strategy;
 
 impl Handle {
     /// The handle's read-ahead, made at the first call: into `provided` destinations (see
@@ -20,15 +20,8 @@ impl Handle {
         self.ahead
             .get_or_init(|| {
                 let budget = readahead::budget_from_env();
-                let mode = if provided {
-                    Mode::Provided
-                } else {
-                    Mode::for_strategy(ckpt.strategy())
-                };
+                let mode = ckpt.ahead(self.shard, provided, false)?;
                 let (source, tally) = (ckpt.shards[self.shard].clone(), ckpt.tally());
-                if mode == Mode::PageCache && !strategy::populate_ahead(source.cached()) {
-                    return None;
-                }
                 (budget > 0).then(|| ReadAhead::new(source, tally, mode, ckpt.options(), budget))
             })
             .as_ref()
@@ -71,10 +64,26 @@ impl Handle {
         if let Some(t) = threads {
             opts.threads = Some(t.max(1));
         }
+        let provided = makers.allocate.is_some();
+        let mode = (ckpt.ahead(self.shard, provided, true)).ok_or_else(|| {
+            Error::Argument(
+                "verify=: prefetch reads the file in the background, and a verified handle \
+                 serves its tensors only from the bytes it hashed at open: use get_tensor / \
+                 get_slice"
+                    .into(),
+            )
+        })?;
         let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
         let tally = ckpt.tally();
         detached(py, |_| {
-            Prefetch::start((source, tally), plan, strategy, makers, opts, budget)
+            Prefetch::start(
+                (source, tally),
+                plan,
+                (strategy, mode),
+                makers,
+                opts,
+                budget,
+            )
         })
     }
 }

@@ -44,9 +44,7 @@ pub struct Handle {
 
 impl Handle {
     /// A handle on shard `shard` of `ckpt`, sharing its strategy and totals.
-    /// A pinned shard (`verify=`) never reads ahead: its tensors come from its hashed bytes.
     pub(crate) fn of_shard(ckpt: Arc<Checkpoint>, shard: usize, readahead: bool) -> Handle {
-        let readahead = readahead && !ckpt.pinned_shard(shard);
         Handle {
             open: RwLock::new(Some(ckpt)),
             shard,
@@ -276,14 +274,6 @@ impl Handle {
         makers: MakersArg,
     ) -> PyResult<Prefetch> {
         let ckpt = self.ckpt()?;
-        if ckpt.pinned_shard(self.shard) {
-            return Err(Error::Argument(
-                "verify=: prefetch reads the file in the background, and a verified handle serves \
-                 its tensors only from the bytes it hashed at open: use get_tensor / get_slice"
-                    .into(),
-            )
-            .into());
-        }
         let plan = plan.map(|p| prefetch::parse_plan(&p)).transpose()?;
         let budget = budget_bytes.unwrap_or_else(|| readahead::prefetch_budget_from_env(staging));
         self.start_prefetch(py, &ckpt, plan, threads, budget, makers.into())

@@ -45,7 +45,7 @@ mod worker;
 
 /// Makes the pages of every tensor of each of `sources` resident in its map, in the background,
 /// one file after another in file order, for the shards whose data are not all in the page cache
-/// now ([`strategy::populate_ahead`]): what `get_tensors()` on a mapped handle starts, for a
+/// now ([`Mode::ahead`]'s rule): what `get_tensors()` on a mapped handle starts, for a
 /// checkpoint's whole read of mapped shards, which has no handle to keep a read-ahead in. A cold
 /// `load_checkpoint`'s touches then find pages read ahead of them instead of faulting each window
 /// in, so it reads each shard as fast as `load_file` of that shard does. The walk ends on its own
@@ -53,7 +53,7 @@ mod worker;
 pub fn populate_in_background(sources: Vec<Arc<Source>>, tally: Arc<Tally>, opts: ReadOptions) {
     let budget = budget_from_env();
     let cold: Vec<Arc<Source>> = (sources.into_iter())
-        .filter(|s| strategy::populate_ahead(s.cached()))
+        .filter(|s| Mode::ahead(Strategy::Mmap, false, false, || s.cached()).is_some())
         .collect();
     if budget == 0 || cold.is_empty() {
         return;
@@ -100,20 +100,33 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// What is read ahead of the caller's asks, and where (None: nothing), for a file whose whole
+    /// tensors are read with `strategy`: the one rule every read-ahead follows. `provided`: into
+    /// destinations the caller provides (MPS), read with pread. Otherwise owned memory read as
+    /// whole tensors are; for a map, its pages made resident, which tensors pulled one at a time
+    /// (`eager` false) want only where the file is not resident already (`cached()`, asked only
+    /// then: [`strategy::populate_ahead`]), and a prefetch (`eager`: it reads the plan it was
+    /// given) always.
+    pub fn ahead(
+        strategy: Strategy,
+        provided: bool,
+        eager: bool,
+        cached: impl FnOnce() -> Option<f64>,
+    ) -> Option<Mode> {
+        match strategy {
+            _ if provided => Some(Mode::Provided),
+            Strategy::Mmap if !eager && !strategy::populate_ahead(cached()) => None,
+            Strategy::Mmap => Some(Mode::PageCache),
+            owned => Some(Mode::Owned(owned)),
+        }
+    }
+
     /// The strategy reads of this mode ask for.
     fn strategy(self) -> Strategy {
         match self {
             Mode::Owned(strategy) => strategy,
             Mode::PageCache => Strategy::Mmap,
             Mode::Provided => Strategy::Pread,
-        }
-    }
-
-    /// The read-ahead for a handle reading with `strategy`.
-    pub fn for_strategy(strategy: Strategy) -> Mode {
-        match strategy {
-            Strategy::Mmap => Mode::PageCache,
-            owned => Mode::Owned(owned),
         }
     }
 }
@@ -543,6 +556,35 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Mode::ahead`, every case: (strategy, provided, eager, residency) -> mode.
+    #[test]
+    fn what_is_read_ahead_follows_one_rule() {
+        use Strategy::{Direct, Mmap, Pread};
+        let cold = || Some(0.2);
+        let resident = || Some(1.0);
+        let unknown = || None;
+        let owned = |s| Some(Mode::Owned(s));
+        type Case = (Strategy, bool, bool, fn() -> Option<f64>, Option<Mode>);
+        let table: [Case; 12] = [
+            (Pread, false, false, resident, owned(Pread)),
+            (Direct, false, false, cold, owned(Direct)),
+            (Pread, false, true, cold, owned(Pread)),
+            (Direct, false, true, resident, owned(Direct)),
+            (Mmap, false, false, cold, Some(Mode::PageCache)),
+            (Mmap, false, false, unknown, Some(Mode::PageCache)),
+            (Mmap, false, false, resident, None), // a resident map: nothing to make resident
+            (Mmap, false, true, resident, Some(Mode::PageCache)), // a prefetch reads its plan
+            (Mmap, true, false, resident, Some(Mode::Provided)),
+            (Pread, true, false, cold, Some(Mode::Provided)),
+            (Direct, true, true, cold, Some(Mode::Provided)),
+            (Mmap, true, true, unknown, Some(Mode::Provided)),
+        ];
+        for (strategy, provided, eager, cached, want) in table {
+            let got = Mode::ahead(strategy, provided, eager, cached);
+            assert_eq!(got, want, "{strategy:?} provided={provided} eager={eager}");
+        }
+    }
 
     use crate::format::dtype::Dtype;
     use crate::format::serialize;
