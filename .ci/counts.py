@@ -5,8 +5,11 @@
 
 Code lines per language (not blank, not only a comment), the longest file and function of each
 (functions outside Rust test modules; Python docstrings not counted), the files at the top of
-src/, and the places outside the storage layer (src/storage/) that ask whether bytes are remote
-or a path is a URL."""
+src/, the places outside the storage layer (src/storage/) that ask whether bytes are remote
+or a path is a URL, and the places outside the read plan (src/read/strategy.rs) and the code that
+executes it (src/read/source/: maps or reads as the plan says) that choose how to read: compare a
+strategy or backend, or call the plan's rules themselves instead of asking the checkpoint's plan
+(and, in the Python package, compare backend names)."""
 
 from __future__ import annotations
 
@@ -60,6 +63,22 @@ def main() -> None:
             if re.search(r"\bis_remote\(|\bis_url\(", line) and "fn is_" not in line and not line.strip().startswith("//"):
                 asks.append(f"src/{rel}:{i}")
     print(f"outside the storage layer, asking remote / URL: {len(asks)}: {' '.join(asks)}")
+    choosing = re.compile(r"[!=]= *(Strategy|Backend)::|(Strategy|Backend)::\w+(\(\w*\))? *=>|matches!\(.*(Strategy|Backend)::"
+                          r"|\b(choose|for_purpose|populate_ahead|resolve_measured)\(|Mode::ahead\(")
+    chooses = []
+    for f in rust:
+        rel = f.relative_to(root / "src")
+        if rel.as_posix() == "read/strategy.rs" or rel.parts[:2] == ("read", "source"):
+            continue
+        for i, line in enumerate(rust_code(f.read_text()).splitlines(), 1):
+            if choosing.search(line) and not line.strip().startswith("//"):
+                chooses.append(f"src/{rel}:{i}")
+    names = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](auto|mmap|pread|direct)["']""")
+    for f in py:
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if names.search(line) and not line.strip().startswith("#"):
+                chooses.append(f"{f.relative_to(root)}:{i}")
+    print(f"outside the read plan and its executor, choosing how to read: {len(chooses)}: {' '.join(chooses)}")
 
 
 if __name__ == "__main__":

@@ -56,13 +56,15 @@ def _always_unpatch():
 
 @pytest.fixture
 def handle_spy(monkeypatch) -> List[str]:
-    """Backends asked of safeload's reader (``safeload._open.Handle``), one per file opened."""
+    """Backends safeload's reader (``safeload._open.Handle``) was asked for, one per file opened,
+    after the overrides the reader applies (a forced backend, ``$SAFELOAD_BACKEND``)."""
     calls: List[str] = []
     real = safeload._open.Handle
 
-    def spy(path: Any, backend: Any = None, **kwargs: Any) -> Any:
-        calls.append("auto" if backend is None else backend)  # None: the reader's default, "auto"
-        return real(path, backend, **kwargs)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        handle = real(*args, **kwargs)
+        calls.append(handle.asked_backend)
+        return handle
 
     monkeypatch.setattr(safeload._open, "Handle", spy)
     return calls

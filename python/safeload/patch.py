@@ -20,8 +20,9 @@ identity and replaced too; each ``(module, name, original)`` is remembered so th
 Backends: safetensors 0.8's loaders default to ``backend="mmap"``, safeload's to ``"auto"``.
 Patched, a call that passes no backend gets safeload's ``"auto"`` (or ``$SAFELOAD_BACKEND``); a
 call that passes one, ``backend="mmap"`` included, keeps it (safeload's own mmap reader).
-``patch(backend="pread")`` forces one backend for every patched call, explicit ones included
-(transformers, for one, passes ``backend="mmap"`` explicitly).
+``patch(backend="pread")`` forces one backend for every load while patched, explicit ones
+included (transformers, for one, passes ``backend="mmap"`` explicitly): the reader applies it, as
+it applies ``$SAFELOAD_BACKEND`` (one rule, in Rust: docs/backends.md).
 
 Without code changes: set ``SAFELOAD_PATCH=1`` (or a backend name, which also forces that
 backend) and the ``safeload_autopatch.pth`` startup hook patches at interpreter start. Wheels
@@ -41,7 +42,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ._safeload import BACKENDS
+from ._safeload import BACKENDS, _force_backend, _forced_backend
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "originals", "ENV", "PTH_NAME", "PTH_LINE"]
 
@@ -55,7 +56,6 @@ PTH_LINE = (
     'and __import__("safeload.patch", fromlist=["_autopatch"])._autopatch()'
 )
 
-_BACKENDS = tuple(BACKENDS)  # the reader's names
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -71,7 +71,6 @@ _TARGETS: Dict[str, Tuple[str, ...]] = {
 
 _lock = threading.RLock()
 _active = False
-_forced_backend: Optional[str] = None
 #: "module.name" -> the original safetensors object (kept after unpatch, for re-patching)
 _originals: Dict[str, Any] = {}
 #: "module.name" -> safeload's stand-in (created once, so identity is stable across re-patching)
@@ -79,10 +78,6 @@ _replacements: Dict[str, Any] = {}
 #: (module, attribute, original) for every attribute rewritten, for unpatch
 _records: List[Tuple[Any, str, Any]] = []
 _finder: Optional["_Finder"] = None
-
-
-def _backend(backend: Any) -> Any:
-    return _forced_backend if _forced_backend is not None else backend
 
 
 # -- stand-ins --------------------------------------------------------------------------------
@@ -100,7 +95,7 @@ def _make(key: str, original: Any) -> Any:
 
             def __init__(self, filename: Any, framework: str, device: Any = "cpu", *,
                          backend: Optional[str] = DEFAULT_BACKEND, **kwargs: Any) -> None:
-                super().__init__(filename, framework, device, backend=_backend(backend), **kwargs)
+                super().__init__(filename, framework, device, backend=backend, **kwargs)
 
         safe_open.__module__ = __name__  # repr: <class 'safeload.patch.safe_open'>
         safe_open.__qualname__ = "safe_open"
@@ -128,14 +123,14 @@ def _make(key: str, original: Any) -> Any:
     if key == "safetensors.torch.load_file":
 
         def load_file(filename: Any, device: Any = "cpu", *, backend: Optional[str] = DEFAULT_BACKEND) -> Any:
-            return target(filename, device=device, backend=_backend(backend))
+            return target(filename, device=device, backend=backend)
 
         fn: Callable[..., Any] = load_file
     elif key == "safetensors.torch.load_model":
 
         def load_model(model: Any, filename: Any, strict: bool = True, device: Any = "cpu", *,
                        backend: Optional[str] = DEFAULT_BACKEND) -> Any:
-            return target(model, filename, strict=strict, device=device, backend=_backend(backend))
+            return target(model, filename, strict=strict, device=device, backend=backend)
 
         fn = load_model
     elif key == "safetensors.torch.load":
@@ -147,7 +142,7 @@ def _make(key: str, original: Any) -> Any:
     elif key == "safetensors.numpy.load_file":
 
         def load_file(filename: Any, *, backend: Optional[str] = DEFAULT_BACKEND) -> Any:  # type: ignore[misc]
-            return target(filename, backend=_backend(backend))
+            return target(filename, backend=backend)
 
         fn = load_file
     else:  # pragma: no cover - _TARGETS and this function go together
@@ -256,14 +251,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 def patch(backend: Optional[str] = None) -> None:
     """Make safetensors' loaders (and every name already imported from them) safeload's.
 
-    Idempotent. ``backend``: force this backend ("auto", "pread", "direct" or "mmap") for every
-    patched call, even ones that pass ``backend=`` themselves; default None keeps what callers
-    pass (no backend: safeload's "auto"). Calling again with another ``backend`` changes it."""
-    global _active, _forced_backend, _finder
-    if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)} (or None), not {backend!r}")
+    Idempotent. ``backend``: force this backend ("auto", "pread", "direct" or "mmap") on every
+    load, even ones that pass ``backend=`` themselves; default None keeps what callers pass (no
+    backend: safeload's "auto"). Calling again with another ``backend`` changes it; a name that is
+    not a backend is a ValueError."""
+    global _active, _finder
     with _lock:
-        _forced_backend = backend
+        _force_backend(backend)
         try:
             import safetensors  # noqa: F401
         except ImportError:
@@ -278,7 +272,7 @@ def patch(backend: Optional[str] = None) -> None:
 def unpatch() -> None:
     """Put back every original object that :func:`patch` replaced (identity restored), including
     names imported from the patched modules while patched. Idempotent."""
-    global _active, _forced_backend, _finder
+    global _active, _finder
     with _lock:
         if _finder is not None:
             with contextlib.suppress(ValueError):
@@ -294,7 +288,7 @@ def unpatch() -> None:
         pairs = {id(_replacements[k]): (_replacements[k], _originals[k]) for k in _replacements}
         _swap(pairs, record=False)
         _active = False
-        _forced_backend = None
+        _force_backend(None)
 
 
 def _key_of(original: Any) -> Optional[str]:
@@ -320,7 +314,7 @@ def patched(backend: Optional[str] = None) -> Iterator[None]:
     """``with safeload.patched(): ...`` patches for the block; on exit restores the state before
     (still patched, with its backend, if it was patched already)."""
     with _lock:
-        was_active, was_backend = _active, _forced_backend
+        was_active, was_backend = _active, _forced_backend()
     patch(backend)
     try:
         yield
@@ -336,17 +330,17 @@ def patched(backend: Optional[str] = None) -> Iterator[None]:
 
 def _autopatch() -> None:
     """Called by ``safeload_autopatch.pth`` when ``$SAFELOAD_PATCH`` is set: "1"/"true"/"yes"/"on"
-    patch; a backend name patches and forces that backend. Never raises (it runs inside site)."""
+    patch; a backend name patches, and the reader forces that backend (it reads the variable).
+    Never raises (it runs inside site)."""
     value = os.environ.get(ENV, "").strip().lower()
     try:
         if value in _FALSE:
             return
-        if value in _TRUE:
-            patch()
-        elif value in _BACKENDS:
-            patch(backend=value)
+        forced = _forced_backend()  # what the reader makes of the variable
+        if value in _TRUE or forced is not None:
+            patch(backend=forced)
         else:
-            sys.stderr.write(f"safeload: ignoring {ENV}={value!r} (use 1, or a backend: {', '.join(_BACKENDS)})\n")
+            sys.stderr.write(f"safeload: ignoring {ENV}={value!r} (use 1, or a backend: {', '.join(BACKENDS)})\n")
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"safeload: {ENV} set but patching failed: {type(exc).__name__}: {exc}\n")
 

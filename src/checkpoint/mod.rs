@@ -21,9 +21,8 @@ use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::read::buffer::TensorBytes;
 use crate::read::engine::{Report, Tally};
-use crate::read::readahead::Mode;
 use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
-use crate::read::strategy::{self, Backend, Purpose, Strategy};
+use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy};
 
 pub(crate) mod files;
 #[cfg(feature = "remote")]
@@ -49,6 +48,9 @@ pub struct ReadStats {
     pub storage: &'static str,
     /// What verification (`verify=`) checked so far, across the checkpoint.
     pub verified: Verified,
+    /// What the read's plan leaves to be read ahead after it (every tensor of a mapped file
+    /// whose pages are not resident: `Purpose::All`); None in totals.
+    pub ahead: Option<Mode>,
 }
 
 /// A tensor of the checkpoint: its shard and its header entry.
@@ -233,30 +235,57 @@ impl Checkpoint {
         out
     }
 
-    /// How this checkpoint's whole tensors are read into new memory (see [`Checkpoint::strategy_for`]).
+    /// The backend asked for (after the process's overrides and [`Backend::check`]).
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// How this checkpoint's whole tensors are read into new memory (see [`Checkpoint::plan`]).
     pub fn strategy(&self) -> Strategy {
-        self.strategy_for(Purpose::Views)
+        self.plan(Purpose::Views, 0).strategy
     }
 
-    /// How a read for `purpose` is done (`strategy::for_purpose`): the first shard's resolution
-    /// of the backend stands for all, resolved at the first call.
-    pub fn strategy_for(&self, purpose: Purpose) -> Strategy {
+    /// How a read of shard `shard` for `purpose` is done: the read plan (`strategy::plan`) from
+    /// what was asked and what is known (the first shard's resolution of the backend stands for
+    /// all, resolved at the first call; uncached reads refused earlier; the shard's pin; its
+    /// residency, measured when a map's read-ahead depends on it). Every read path executes it.
+    pub fn plan(&self, purpose: Purpose, shard: usize) -> Plan {
         let (resolved, cached) = self.resolution();
-        let refused = self.direct_refused.load(Ordering::Relaxed);
-        strategy::for_purpose(resolved, cached, purpose, refused)
+        let known = Known {
+            resolved,
+            cached,
+            direct_refused: self.direct_refused.load(Ordering::Relaxed),
+            pinned: self.pinned_shard(shard),
+        };
+        strategy::plan(&known, purpose, || {
+            self.shards.get(shard).and_then(|s| s.cached())
+        })
     }
 
-    /// What is read ahead of the caller's asks on shard `shard`, and where (None: nothing), for
-    /// every read-ahead (a handle's tensors pulled one at a time, a prefetch loader's plan): by
-    /// `Mode::ahead`'s rule for the strategy whole tensors are read with; nothing for a pinned
-    /// shard, whose tensors come from its hashed bytes.
-    pub fn ahead(&self, shard: usize, provided: bool, eager: bool) -> Option<Mode> {
-        if self.pinned_shard(shard) {
-            return None;
+    /// The shards whose pages the plan for every tensor (`Purpose::All`) reads ahead: mapped
+    /// and not resident.
+    pub fn read_ahead_of_all(&self) -> Vec<Arc<Source>> {
+        (0..self.shards.len())
+            .filter(|&s| self.plan(Purpose::All, s).ahead == Some(Mode::PageCache))
+            .map(|s| self.shards[s].clone())
+            .collect()
+    }
+
+    /// What a read of `selection` is for: copies when `dtype` converts any of it; every tensor
+    /// of the shards it reads (`Purpose::All`); else views.
+    pub(super) fn purpose_of(&self, selection: &[Entry<'_>], dtype: Option<Dtype>) -> Purpose {
+        if dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d)) {
+            return Purpose::Copies;
         }
-        Mode::ahead(self.strategy(), provided, eager, || {
-            self.shards[shard].cached()
-        })
+        let mut touched: Vec<usize> = selection.iter().map(|(s, _)| *s).collect();
+        touched.dedup();
+        let whole: usize = (touched.iter())
+            .map(|s| self.shards[*s].header.tensors.len())
+            .sum();
+        match selection.len() == whole && !selection.is_empty() {
+            true => Purpose::All,
+            false => Purpose::Views,
+        }
     }
 
     /// Where reads made for this checkpoint on other threads (read-aheads, prefetch loaders)
@@ -273,7 +302,8 @@ impl Checkpoint {
     fn resolution(&self) -> (Strategy, Option<f64>) {
         *self.resolved.get_or_init(|| {
             self.shards.first().map_or((Strategy::Pread, None), |s| {
-                s.resolve_measured(self.backend, &self.opts)
+                let facts = s.facts(self.opts.reads_bytes());
+                strategy::resolve(self.backend, &facts, || s.cached())
             })
         })
     }
@@ -299,11 +329,16 @@ impl Checkpoint {
         self.stats(latest.unwrap_or_else(unread), &report)
     }
 
-    fn record(&self, backend: Strategy, report: &Report) -> ReadStats {
+    /// What a read that executed `plan` did, counted in the totals; uncached reads it found
+    /// refused are remembered for the plans after it.
+    fn record(&self, plan: Plan, report: &Report) -> ReadStats {
         if report.direct_refused {
             self.direct_refused.store(true, Ordering::Relaxed);
         }
-        let stats = self.stats(backend, report);
+        let stats = ReadStats {
+            ahead: plan.ahead,
+            ..self.stats(plan.strategy, report)
+        };
         self.totals.add(stats.strategy, report);
         stats
     }
@@ -317,6 +352,7 @@ impl Checkpoint {
             seconds: report.seconds,
             storage: self.shards.first().map_or("local", |s| s.kind.name()),
             verified: self.verified(),
+            ahead: None,
         }
     }
 
@@ -330,22 +366,23 @@ impl Checkpoint {
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
-        let strategy = self.strategy_for(pinned::purpose(selection, dtype));
+        let first = selection.first().map_or(0, |(s, _)| *s);
+        let plan = self.plan(self.purpose_of(selection, dtype), first);
         if self.is_pinned() {
             let mut done = Report::default();
             let out = self.read_pinned(selection, dtype, poll, &mut done);
-            let stats = self.record(strategy, &done);
+            let stats = self.record(plan, &done);
             return Ok((out?, stats));
         }
         let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
-            strategy,
+            plan.strategy,
             dtype,
             &self.opts,
             poll,
         )?;
-        Ok((out, self.record(strategy, &report)))
+        Ok((out, self.record(plan, &report)))
     }
 
     /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and
@@ -355,15 +392,16 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let strategy = self.strategy_for(Purpose::Copies);
+        let plan = self.plan(Purpose::Copies, 0);
         if self.is_pinned() {
             let mut done = Report::default();
             let result = self.read_into_pinned(targets, poll, &mut done);
-            let stats = self.record(strategy, &done);
+            let stats = self.record(plan, &done);
             return result.map(|()| stats);
         }
-        let report = source::read_targets(&self.sources(), targets, strategy, &self.opts, poll)?;
-        Ok(self.record(strategy, &report))
+        let report =
+            source::read_targets(&self.sources(), targets, plan.strategy, &self.opts, poll)?;
+        Ok(self.record(plan, &report))
     }
 
     /// The bytes of `plan` (part of tensor `info` of shard `shard`) in new memory: cut out of
@@ -376,20 +414,16 @@ impl Checkpoint {
         plan: &SlicePlan,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, ReadStats)> {
-        let strategy = self.strategy_for(Purpose::Parts);
-        let source = &self.shards[shard];
+        let how = self.plan(Purpose::Parts, shard);
         if self.pinned_shard(shard) {
             let mut done = Report::default();
             let part = self.slice_pinned(shard, info, plan, poll, &mut done);
-            let stats = self.record(strategy, &done);
+            let stats = self.record(how, &done);
             return Ok((part?, stats));
         }
-        if strategy == Strategy::Mmap {
-            let part = crate::read::buffer::cut(plan, &source.map_tensor(info)?)?;
-            return Ok((part, self.record(strategy, &Report::default())));
-        }
-        let (bytes, report) = source.read_slice(info, plan, strategy, &self.opts, poll)?;
-        Ok((bytes, self.record(strategy, &report)))
+        let source = &self.shards[shard];
+        let (bytes, report) = source.read_slice(info, plan, how.strategy, &self.opts, poll)?;
+        Ok((bytes, self.record(how, &report)))
     }
 
     /// Data-area ranges of shard `shard` (`(offset, dest)`: `dest` filled from `offset` bytes
@@ -400,16 +434,16 @@ impl Checkpoint {
         ranges: Vec<(u64, &mut [u8])>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let strategy = self.strategy_for(Purpose::Copies);
+        let plan = self.plan(Purpose::Copies, shard);
         let source = &self.shards[shard];
         if self.pinned_shard(shard) {
             let mut done = Report::default();
             let result = self.ranges_pinned(shard, ranges, poll, &mut done);
-            let stats = self.record(strategy, &done);
+            let stats = self.record(plan, &done);
             return result.map(|()| stats);
         }
-        let report = source::read_data_ranges(source, ranges, strategy, &self.opts, poll)?;
-        Ok(self.record(strategy, &report))
+        let report = source::read_data_ranges(source, ranges, plan.strategy, &self.opts, poll)?;
+        Ok(self.record(plan, &report))
     }
 
     /// Each shard's SHA-256, in order, when the checkpoint was opened to hash them

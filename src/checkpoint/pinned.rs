@@ -190,7 +190,7 @@ impl Checkpoint {
             Ok(())
         };
         let result = all();
-        self.record(self.strategy_for(Purpose::Views), &done);
+        self.record(self.plan(Purpose::Views, 0), &done);
         result
     }
 
@@ -229,7 +229,7 @@ impl Checkpoint {
                     self.shards[s].start_hash();
                 }
             }
-            let strategy = self.strategy_for(purpose(&straight, dtype));
+            let strategy = self.plan(self.purpose_of(&straight, dtype), 0).strategy;
             let (out, report) = source::read_or_map(
                 &self.sources(),
                 &straight,
@@ -281,7 +281,7 @@ impl Checkpoint {
         }
         drop(locks);
         if !rest.is_empty() {
-            let strategy = self.strategy_for(Purpose::Copies);
+            let strategy = self.plan(Purpose::Copies, 0).strategy;
             done.add(&source::read_targets(
                 &self.sources(),
                 rest,
@@ -411,7 +411,7 @@ impl Checkpoint {
         let source = &self.shards[shard];
         source.start_hash();
         let all: Vec<Entry<'_>> = source.header.tensors.iter().map(|t| (shard, t)).collect();
-        let strategy = self.strategy_for(Purpose::Views);
+        let strategy = self.plan(Purpose::Views, 0).strategy;
         let (out, report) =
             source::read_or_map(&self.sources(), &all, strategy, None, &self.opts, poll)?;
         done.add(&report);
@@ -453,14 +453,6 @@ impl Checkpoint {
             .header
             .index_of(&info.name)
             .expect("info comes from this header")
-    }
-}
-
-/// What a read of `selection` is for: copies when `dtype` converts any of it, else views.
-pub(super) fn purpose(selection: &[Entry<'_>], dtype: Option<Dtype>) -> Purpose {
-    match dtype.is_some_and(|d| selection.iter().any(|(_, t)| t.dtype != d)) {
-        true => Purpose::Copies,
-        false => Purpose::Views,
     }
 }
 

@@ -66,8 +66,8 @@ impl VerifyArg {
         match verify {
             Some(v) => Ok((v.0, backend)),
             None => match crate::checkpoint::verify::Pin::from_env()? {
-                Some(pin) if backend == Backend::Mmap => Ok((Some(pin), Backend::Auto)),
-                pin => Ok((pin, backend)),
+                Some(pin) => Ok((Some(pin), backend.pinned_by_env())),
+                None => Ok((None, backend)),
             },
         }
     }

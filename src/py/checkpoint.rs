@@ -22,7 +22,6 @@ use crate::checkpoint::{self, Entry};
 use crate::error::Error;
 use crate::read::readahead;
 use crate::read::source::Target;
-use crate::read::strategy::Strategy;
 
 fn tuples(entries: &[Entry<'_>], read: crate::read::source::Tensors) -> Vec<TensorTuple> {
     entries
@@ -122,7 +121,7 @@ impl Checkpoint {
             .get()?
             .shards
             .iter()
-            .map(|s| super::shown(&s.path))
+            .map(|s| crate::storage::redact::shown(&s.path))
             .collect())
     }
 
@@ -161,10 +160,11 @@ impl Checkpoint {
         let picked = ckpt.select(names.as_deref())?;
         let c: &checkpoint::Checkpoint = &ckpt;
         let (read, s) = detached(py, |poll| c.read(&picked, dtype, poll))?;
-        // Views of maps: every shard's pages are made resident ahead of the caller's touches,
-        // as a handle's `get_tensors()` does (not when read into memory, converting).
-        if names.is_none() && s.strategy == Strategy::Mmap {
-            readahead::populate_in_background(ckpt.shards.clone(), ckpt.tally(), ckpt.options());
+        // What the read's plan leaves to read ahead (the pages of maps of every tensor), with
+        // no handle to keep a read-ahead in.
+        if s.ahead.is_some() {
+            let shards = ckpt.read_ahead_of_all();
+            readahead::populate_in_background(shards, ckpt.tally(), ckpt.options());
         }
         Ok((tuples(&picked, read), Stats::from(s)))
     }

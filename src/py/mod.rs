@@ -21,6 +21,7 @@ mod stream;
 mod testing;
 mod write;
 
+use crate::read::strategy::Backend;
 use pyo3::prelude::*;
 
 pub use errors::SafetensorError;
@@ -65,16 +66,35 @@ fn redact(text: &str) -> String {
     crate::storage::redact::redact(text).into_owned()
 }
 
-/// A path as messages and logs show it (`crate::storage::redact::shown`).
-fn shown(path: &std::path::Path) -> std::path::PathBuf {
-    crate::storage::redact::shown(path)
+/// `patch(backend=)`: forces `backend` on every load from now on (None: no longer), through
+/// the one rule that reads a call's backend ([`Backend::requested`]); a name that is not a
+/// backend is a `ValueError`.
+#[pyfunction]
+fn _force_backend(backend: Option<&str>) -> PyResult<()> {
+    let forced = match backend {
+        None => None,
+        Some(name) => Some(Backend::parse(name).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "backend must be one of {} (or None), not {name:?}",
+                Backend::NAMES
+            ))
+        })?),
+    };
+    Backend::force(forced);
+    Ok(())
+}
+
+/// The backend forced on every load (`patch(backend=)`, else `$SAFELOAD_PATCH`'s), or None.
+#[pyfunction]
+fn _forced_backend() -> Option<&'static str> {
+    Backend::forced().map(Backend::name)
 }
 
 /// Each shard of a pinned checkpoint with where its digest came from (None: loaded
 /// unverified), as `pinned()` of a checkpoint and of a handle give it to the log.
 fn pinned(ckpt: &crate::checkpoint::Checkpoint) -> Vec<(std::path::PathBuf, Option<String>)> {
     (ckpt.pinned().into_iter())
-        .map(|(path, from)| (shown(path), from))
+        .map(|(path, from)| (crate::storage::redact::shown(path), from))
         .collect()
 }
 
@@ -101,10 +121,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_THREADS", crate::read::engine::default_threads())?;
     m.add("DTYPES", dtypes(m.py())?)?;
     m.add("STAGING_RING_ENV", crate::read::staging::RING_ENV)?;
-    m.add(
-        "BACKENDS",
-        crate::read::strategy::Backend::ALL.map(|(name, _)| name),
-    )?;
+    m.add("BACKENDS", Backend::ALL.map(|(name, _)| name))?;
     m.add(
         "CONVERTIBLE",
         crate::format::convert::CONVERTIBLE.map(|d| d.code()),
@@ -127,6 +144,8 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pooled_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(memory_info, m)?)?;
     m.add_function(wrap_pyfunction!(redact, m)?)?;
+    m.add_function(wrap_pyfunction!(_force_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(_forced_backend, m)?)?;
     m.add_function(wrap_pyfunction!(digest::hash_files, m)?)?;
     m.add_function(wrap_pyfunction!(digest::known_digest, m)?)?;
     m.add_function(wrap_pyfunction!(digest::read_manifest, m)?)?;

@@ -12,12 +12,11 @@ use pyo3::types::{PyDict, PySlice};
 use super::bytes::{Bytes, Importer};
 use super::errors::detached;
 use super::provided;
+use crate::checkpoint::Checkpoint;
 use crate::error::Error;
-use crate::read::engine::{Report, Tally};
 use crate::read::prefetch::{self, Handovers, Rows};
 use crate::read::readahead::{Mode, ReadAhead};
-use crate::read::source::{self, ReadOptions, Source};
-use crate::read::strategy::Strategy;
+use crate::read::source::{ReadOptions, Source};
 
 /// A plan dict (`name -> None | slice`), in the dict's order.
 pub(super) fn parse_plan(plan: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Rows)>> {
@@ -82,14 +81,13 @@ const NOT_PLANNED: usize = usize::MAX;
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Prefetch {
-    /// Keeps the file open: a loader may outlive its handle.
+    /// Keeps the files open (a loader may outlive its handle); reads items the read-ahead has
+    /// not reached, by its plan, counted in its totals (the handle's stats).
+    ckpt: Arc<Checkpoint>,
+    shard: usize,
+    /// The file, `ckpt`'s shard `shard`.
     source: Arc<Source>,
-    /// The checkpoint's: every read of the loader counts in its handle's stats.
-    tally: Arc<Tally>,
     ahead: ReadAhead,
-    /// Reads of items the read-ahead has not reached.
-    strategy: Strategy,
-    opts: ReadOptions,
     /// The item of each of the header's tensors (by position in file order), `NOT_PLANNED`
     /// where the plan left it out: a take finds its item through the header's own name index.
     item_of: Vec<usize>,
@@ -102,16 +100,19 @@ pub struct Prefetch {
 }
 
 impl Prefetch {
-    /// A loader of `plan` (every tensor when None) of `source`, reading with `strategy` (into
-    /// the destinations `makers.allocate` makes, where it is given), at most `budget` bytes ahead.
+    /// A loader of `plan` (every tensor when None) of shard `shard` of `ckpt`, read ahead in
+    /// `mode` (into the destinations `makers.allocate` makes, where it is given; None: nothing is
+    /// read ahead, every take maps its view) with `opts`, at
+    /// most `budget` bytes ahead.
     pub(super) fn start(
-        (source, tally): (Arc<Source>, Arc<Tally>),
+        (ckpt, shard): (Arc<Checkpoint>, usize),
         plan: Option<Vec<(String, Rows)>>,
-        (strategy, mode): (Strategy, Mode),
+        mode: Option<Mode>,
         makers: Makers,
         opts: ReadOptions,
         budget: u64,
     ) -> Result<Prefetch, Error> {
+        let source = ckpt.shards[shard].clone();
         let items = prefetch::items(&source.header, plan.as_deref())?;
         let mut item_of = vec![NOT_PLANNED; source.header.tensors.len()];
         for (i, t) in items.iter().enumerate() {
@@ -122,13 +123,12 @@ impl Prefetch {
             item_of[at] = i;
         }
         let n = items.len();
-        let ahead = ReadAhead::eager(source.clone(), tally.clone(), items, mode, opts, budget);
+        let ahead = ReadAhead::eager(source.clone(), ckpt.tally(), items, mode, opts, budget);
         Ok(Prefetch {
+            ckpt,
+            shard,
             source,
-            tally,
             ahead,
-            strategy,
-            opts,
             item_of,
             delivered: Mutex::new(Handovers::new(n)),
             closed: AtomicBool::new(false),
@@ -197,21 +197,14 @@ impl Prefetch {
         result
     }
 
-    /// Reads item `i` on the calling thread (the read-ahead has not reached it): a view of the
-    /// map (made holding the GIL: it reads nothing), or owned memory.
+    /// Reads item `i` on the calling thread (the read-ahead has not reached it), as the
+    /// checkpoint's plan reads a whole tensor (a view of the map, or owned memory), recorded in
+    /// its totals.
     fn read_now(&self, py: Python<'_>, i: usize) -> PyResult<Bytes> {
         let item = &self.ahead.items()[i];
-        if self.strategy == Strategy::Mmap {
-            self.tally.add(Strategy::Mmap, &Report::default());
-            return Ok(Bytes::new(self.source.map_tensor(item)?));
-        }
-        let (s, strategy, opts) = (&*self.source, self.strategy, self.opts);
-        let (mut read, report) = detached(py, |poll| {
-            source::read_or_map(&[s], &[(0, item)], strategy, None, &opts, poll)
-        })?;
-        self.read_by_takes
-            .fetch_add(report.bytes, Ordering::Relaxed);
-        self.tally.add(strategy, &report);
+        let (mut read, stats) =
+            detached(py, |poll| self.ckpt.read(&[(self.shard, item)], None, poll))?;
+        self.read_by_takes.fetch_add(stats.bytes, Ordering::Relaxed);
         Ok(Bytes::new(read.pop().expect("one item, one read").0))
     }
 }

@@ -1,6 +1,11 @@
-//! The backend asked for and the strategy that reads a file fastest, from what it lives on
-//! (`platform::FsKind`), its page-cache residency (`mincore`) and available memory; workers
-//! and request sizes per filesystem.
+//! The read plan: how every read is done, decided here and nowhere else. From what the caller
+//! asked (the [`Backend`], with `SAFELOAD_BACKEND` and a patch's forced backend: [`Backend::requested`]),
+//! what the file is (what it lives on, `platform::FsKind`; whether it can be mapped; its size), what
+//! is known of it (its page-cache residency, `mincore`; available memory; uncached reads refused
+//! earlier; a pinned digest) and what the read is for ([`Purpose`]), [`resolve`] and [`plan`] give
+//! the [`Plan`] every read path executes: the strategy that reads and what is read ahead around
+//! it ([`Mode`]). Workers and request sizes per filesystem are here too ([`threads_for`],
+//! [`chunk_bytes_for`]). The table tests at the end cover every case.
 
 use std::fs::File;
 
@@ -36,19 +41,50 @@ impl Backend {
     /// Environment variable that replaces the default backend ("auto") for every load.
     pub const ENV: &'static str = "SAFELOAD_BACKEND";
 
+    /// The name a caller gives for this backend.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, b)| *b == self)
+            .map_or("auto", |(n, _)| n)
+    }
+
     pub fn parse(name: &str) -> Option<Backend> {
         Self::ALL.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
     }
 
-    /// The backend a call asks for by `name`: "auto" (the default) gives way to
-    /// `$SAFELOAD_BACKEND` where that is set; a name that is none of [`Backend::NAMES`] is an
-    /// error saying which are.
+    /// Environment variable that turns the patch on at interpreter start (`safeload.patch`); a
+    /// backend name there also forces that backend on every load ([`Backend::forced`]).
+    pub const PATCH_ENV: &'static str = "SAFELOAD_PATCH";
+
+    /// The backend a call asks for by `name`, after the process's overrides, the one place they
+    /// are read: a forced backend ([`Backend::forced`]) replaces whatever the call asks (a
+    /// library's explicit `backend="mmap"` included); else "auto" (the default) gives way to
+    /// `$SAFELOAD_BACKEND` where that is set. A name that is none of [`Backend::NAMES`] is an
+    /// error saying which are, forced or not.
     pub fn requested(name: &str) -> crate::error::Result<Backend> {
-        let from_env = std::env::var(Self::ENV).ok().filter(|v| !v.is_empty());
-        let name = match (name, &from_env) {
-            ("auto", Some(env)) => env.as_str(),
-            _ => name,
-        };
+        let env = std::env::var(Self::ENV).ok();
+        Self::requested_with(name, Self::forced(), env.as_deref())
+    }
+
+    /// [`Backend::requested`] with the overrides given: `forced`, and `env`, the value of
+    /// `$SAFELOAD_BACKEND` (empty: unset).
+    fn requested_with(
+        name: &str,
+        forced: Option<Backend>,
+        env: Option<&str>,
+    ) -> crate::error::Result<Backend> {
+        let asked = Self::named(name)?;
+        if let Some(forced) = forced {
+            return Ok(forced);
+        }
+        match env.filter(|v| !v.is_empty()) {
+            Some(env) if asked == Backend::Auto => Self::named(env),
+            _ => Ok(asked),
+        }
+    }
+
+    fn named(name: &str) -> crate::error::Result<Backend> {
         Self::parse(name).ok_or_else(|| {
             crate::error::Error::Argument(format!(
                 "backend {name:?} is invalid (expected one of: {})",
@@ -57,10 +93,39 @@ impl Backend {
         })
     }
 
+    /// Forces `backend` on every load of this process from now on (None: no longer), over
+    /// `$SAFELOAD_PATCH`'s: what `safeload.patch(backend=)` sets.
+    pub fn force(backend: Option<Backend>) {
+        *FORCED.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend);
+    }
+
+    /// The backend forced on every load: the last [`Backend::force`], else the backend
+    /// `$SAFELOAD_PATCH` names (case and spaces aside; "1", "true" and the like name none).
+    pub fn forced() -> Option<Backend> {
+        let set = *FORCED.lock().unwrap_or_else(|p| p.into_inner());
+        Self::forced_by(set, &std::env::var(Self::PATCH_ENV).unwrap_or_default())
+    }
+
+    /// [`Backend::forced`] from what [`Backend::force`] `set` and `$SAFELOAD_PATCH`'s value.
+    fn forced_by(set: Option<Option<Backend>>, patch_env: &str) -> Option<Backend> {
+        set.unwrap_or_else(|| Self::parse(patch_env.trim().to_ascii_lowercase().as_str()))
+    }
+
+    /// The backend a load uses where `$SAFELOAD_VERIFY` pins its files: a verified file is read,
+    /// never mapped, so a library's "mmap" (transformers passes it to every `safe_open`) becomes
+    /// "auto"; the variable is the user's word over the library's. (The same two given by one
+    /// caller are refused: [`Backend::check`].)
+    pub fn pinned_by_env(self) -> Backend {
+        match self {
+            Backend::Mmap => Backend::Auto,
+            other => other,
+        }
+    }
+
     /// Refuses a backend that cannot do what the read options ask: a map reads nothing, so it
     /// has no pages of its own to drop after reading (`drop_cache`), and no bytes pass through
     /// the reader to be hashed (`hash`). "auto" with either reads instead
-    /// ([`crate::read::source::Source::resolve_measured`]).
+    /// (`resolve`).
     pub fn check(self, drop_cache: bool, hash: bool) -> crate::error::Result<Backend> {
         let asked = match (drop_cache, hash) {
             (true, _) => {
@@ -78,6 +143,9 @@ impl Backend {
         )))
     }
 }
+
+/// What [`Backend::force`] set: None until it is called (then `$SAFELOAD_PATCH` decides).
+static FORCED: std::sync::Mutex<Option<Option<Backend>>> = std::sync::Mutex::new(None);
 
 /// A concrete way of reading a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,12 +166,23 @@ impl Strategy {
 }
 
 /// What a read is for: with the backend's resolution for the file, what decides how it is done
-/// ([`for_purpose`]).
+/// ([`plan`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
     /// Whole tensors into new memory as the file holds them: views of the map where the
     /// backend maps.
     Views,
+    /// Every tensor of the files read, as [`Purpose::Views`]; a map's pages are then made
+    /// resident ahead of the caller's touches, in file order, where they are not resident.
+    All,
+    /// Whole tensors pulled one at a time (`get_tensor` loops): read as [`Purpose::Views`], with
+    /// a read-ahead ahead of the pulls.
+    Pulls,
+    /// A prefetch's plan, read in the background ahead of its takes, in file order.
+    Prefetch,
+    /// Whole tensors read ahead into destinations the caller provides (a device's host alias,
+    /// MPS), with pread.
+    Provided,
     /// Parts of tensors (`get_slice(k)[...]`): cut out of the map where the backend maps, else
     /// only the rows they need read.
     Parts,
@@ -112,10 +191,9 @@ pub enum Purpose {
     Copies,
 }
 
-/// How a read for `purpose` is done: the one place that turns a backend's resolution for a file
-/// (`resolved`, with the page-cache residency measured for it, `cached`) into the strategy that
-/// reads. Every read of a [`crate::checkpoint::Checkpoint`] asks it; nothing else rewrites a
-/// strategy.
+/// The strategy a read for `purpose` runs: the part of [`plan`] that turns a backend's
+/// resolution for a file (`resolved`, with the page-cache residency measured for it, `cached`)
+/// into the strategy that reads.
 ///
 /// - A map gives views and parts; a copy out of it would fault every page in and then copy, so
 ///   copies read instead: from the page cache when warm (pread), around it when cold (uncached
@@ -123,7 +201,7 @@ pub enum Purpose {
 ///   docs/backends.md, "Reading into a model"). Not measured (an explicit `"mmap"`): pread.
 /// - Uncached reads the filesystem refused (`direct_refused`, seen by an earlier read): pread.
 /// - Otherwise what was resolved (`pread`, `direct`) reads for every purpose.
-pub fn for_purpose(
+fn for_purpose(
     resolved: Strategy,
     cached: Option<f64>,
     purpose: Purpose,
@@ -139,6 +217,134 @@ pub fn for_purpose(
     match strategy {
         Strategy::Direct if direct_refused => Strategy::Pread,
         strategy => strategy,
+    }
+}
+
+/// Where read-ahead puts the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Owned buffers, read with this strategy (`Pread` or `Direct`).
+    Owned(Strategy),
+    /// The page cache, for a mapped file.
+    PageCache,
+    /// Destinations the caller provides (`ReadAhead::provide`), read with pread.
+    Provided,
+}
+
+impl Mode {
+    /// The strategy reads of this mode ask for.
+    pub fn strategy(self) -> Strategy {
+        match self {
+            Mode::Owned(strategy) => strategy,
+            Mode::PageCache => Strategy::Mmap,
+            Mode::Provided => Strategy::Pread,
+        }
+    }
+}
+
+/// How one read is done: what every read path executes and records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// How the bytes are read (where uncached reads turn out to be refused, the engine reads
+    /// them buffered and the checkpoint remembers it: [`Known::direct_refused`]).
+    pub strategy: Strategy,
+    /// What is read ahead of the caller's asks, and where (None: nothing).
+    pub ahead: Option<Mode>,
+}
+
+/// What is known of a checkpoint's files when a read is planned.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Known {
+    /// The backend's resolution for the files ([`resolve`]) and the page-cache residency
+    /// measured for it.
+    pub resolved: Strategy,
+    pub cached: Option<f64>,
+    /// Uncached reads were asked for and the filesystem refused them.
+    pub direct_refused: bool,
+    /// The file must hash to a digest the caller gave (`verify=`): its tensors come from bytes
+    /// read and hashed whole, never from anything read ahead.
+    pub pinned: bool,
+}
+
+/// How a read for `purpose` is done, from what is `known` ([`Plan`]). `cached_now`: the
+/// residency of the file the read-ahead would walk, measured only when a map's read-ahead
+/// depends on it.
+///
+/// - The strategy: a map gives views and parts; copies read (see `for_purpose`); a read into
+///   provided destinations reads with pread.
+/// - Read ahead: nothing for views, parts and copies asked together, nor for a pinned file.
+///   A mapped file's pages, for every tensor of it (`All`), tensors pulled one at a time (`Pulls`)
+///   or a prefetch: made resident where they are not ([`populate_ahead`]), else nothing (views
+///   of resident pages need nothing). Owned reads pulled one at a time or prefetched: read into
+///   owned memory ahead of the asks. Provided destinations are read into as the caller provides
+///   them.
+pub fn plan(known: &Known, purpose: Purpose, cached_now: impl FnOnce() -> Option<f64>) -> Plan {
+    let strategy = match purpose {
+        Purpose::Provided => Mode::Provided.strategy(),
+        _ => for_purpose(known.resolved, known.cached, purpose, known.direct_refused),
+    };
+    let ahead = match (purpose, strategy) {
+        _ if known.pinned => None,
+        (Purpose::Views | Purpose::Parts | Purpose::Copies, _) => None,
+        (Purpose::Provided, _) => Some(Mode::Provided),
+        (Purpose::All | Purpose::Pulls | Purpose::Prefetch, Strategy::Mmap) => {
+            populate_ahead(cached_now()).then_some(Mode::PageCache)
+        }
+        (Purpose::All, _) => None,
+        (Purpose::Pulls | Purpose::Prefetch, owned) => Some(Mode::Owned(owned)),
+    };
+    Plan { strategy, ahead }
+}
+
+/// What [`resolve`] needs to know of a file: its facts, as its source tells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Facts {
+    /// What the file lives on.
+    pub kind: FsKind,
+    /// Whether its storage can map it (an object in a store cannot).
+    pub can_map: bool,
+    /// Bytes of tensor data.
+    pub data_len: u64,
+    /// The read must pass the bytes through the reader (dropped from the page cache after
+    /// reading, or hashed): a map reads none.
+    pub reads_bytes: bool,
+}
+
+/// The strategy a backend request means for `file` ("auto" looks at the filesystem and at how
+/// much of the data is in the page cache, `cached()`), with the residency measured for it (None
+/// when it was not measured or cannot be told), so that a plan reuses the one probe.
+///
+/// - What cannot be mapped (an object in a store) is read, whatever was asked for.
+/// - Never a map on a network filesystem, even when asked for one: every fault would be a small
+///   remote read, and a file that shrinks under a map kills the process. The network reader
+///   gives the same tensors ("mmap" there resolves as "auto" does).
+/// - "auto" (and "mmap" on a network filesystem): [`choose`]; it does not map a read that must
+///   pass the bytes through the reader.
+pub fn resolve(
+    backend: Backend,
+    file: &Facts,
+    cached: impl FnOnce() -> Option<f64>,
+) -> (Strategy, Option<f64>) {
+    if !file.can_map {
+        return (Strategy::Pread, None);
+    }
+    match backend {
+        Backend::Mmap if !matches!(file.kind, FsKind::Network(_)) => (Strategy::Mmap, None),
+        Backend::Pread => (Strategy::Pread, None),
+        Backend::Direct => (Strategy::Direct, None),
+        Backend::Auto | Backend::Mmap => {
+            let cached = cached();
+            let available = crate::read::memory::available();
+            let strategy = choose(
+                file.kind,
+                cached,
+                file.data_len,
+                direct_above(available),
+                auto_may_map() && !file.reads_bytes,
+                available,
+            );
+            (strategy, cached)
+        }
     }
 }
 
@@ -312,6 +518,194 @@ mod tests {
                 want,
                 "{resolved:?} {cached:?} {purpose:?} refused={refused}"
             );
+        }
+    }
+
+    /// [`plan`], every purpose of every resolution: (resolved, residency, purpose, refused,
+    /// pinned) -> (strategy, read-ahead).
+    #[test]
+    fn the_read_plan_of_every_case() {
+        use Purpose::*;
+        use Strategy::{Direct, Mmap, Pread};
+        let cold = Some(0.2);
+        let resident = Some(1.0);
+        let owned = |s| Some(Mode::Owned(s));
+        let page = Some(Mode::PageCache);
+        type Case = (
+            Strategy,
+            Option<f64>,
+            Purpose,
+            bool,
+            bool,
+            Strategy,
+            Option<Mode>,
+        );
+        let table: [Case; 31] = [
+            // Views, parts and copies asked together: nothing read ahead.
+            (Mmap, cold, Views, false, false, Mmap, None),
+            (Mmap, cold, Parts, false, false, Mmap, None),
+            (Mmap, cold, Copies, false, false, Direct, None),
+            (Mmap, resident, Copies, false, false, Pread, None),
+            (Mmap, None, Copies, false, false, Pread, None),
+            (Mmap, cold, Copies, true, false, Pread, None),
+            (Pread, cold, Copies, false, false, Pread, None),
+            (Direct, None, Views, false, false, Direct, None),
+            (Direct, None, Views, true, false, Pread, None),
+            // Every tensor: a map's pages made resident where they are not.
+            (Mmap, cold, All, false, false, Mmap, page),
+            (Mmap, None, All, false, false, Mmap, page),
+            (Mmap, resident, All, false, false, Mmap, None),
+            (Pread, cold, All, false, false, Pread, None),
+            (Direct, cold, All, false, false, Direct, None),
+            // Pulled one at a time: the read-ahead, in the strategy's memory.
+            (Mmap, cold, Pulls, false, false, Mmap, page),
+            (Mmap, None, Pulls, false, false, Mmap, page),
+            (Mmap, resident, Pulls, false, false, Mmap, None),
+            (Pread, resident, Pulls, false, false, Pread, owned(Pread)),
+            (Direct, cold, Pulls, false, false, Direct, owned(Direct)),
+            (Direct, cold, Pulls, true, false, Pread, owned(Pread)),
+            // A prefetch: a map's pages where they are not resident, owned memory read ahead.
+            (Mmap, resident, Prefetch, false, false, Mmap, None),
+            (Mmap, cold, Prefetch, false, false, Mmap, page),
+            (Pread, cold, Prefetch, false, false, Pread, owned(Pread)),
+            (
+                Direct,
+                resident,
+                Prefetch,
+                false,
+                false,
+                Direct,
+                owned(Direct),
+            ),
+            // Provided destinations: read into with pread.
+            (
+                Mmap,
+                resident,
+                Provided,
+                false,
+                false,
+                Pread,
+                Some(Mode::Provided),
+            ),
+            (
+                Direct,
+                cold,
+                Provided,
+                false,
+                false,
+                Pread,
+                Some(Mode::Provided),
+            ),
+            // A pinned file: its tensors come from its hashed bytes, nothing is read ahead.
+            (Mmap, cold, All, false, true, Mmap, None),
+            (Mmap, cold, Pulls, false, true, Mmap, None),
+            (Pread, cold, Pulls, false, true, Pread, None),
+            (Pread, cold, Prefetch, false, true, Pread, None),
+            (Mmap, cold, Provided, false, true, Pread, None),
+        ];
+        for (resolved, cached, purpose, direct_refused, pinned, strategy, ahead) in table {
+            let known = Known {
+                resolved,
+                cached,
+                direct_refused,
+                pinned,
+            };
+            let got = plan(&known, purpose, || cached);
+            let case = format!(
+                "{resolved:?} {cached:?} {purpose:?} refused={direct_refused} pinned={pinned}"
+            );
+            assert_eq!(got, Plan { strategy, ahead }, "{case}");
+        }
+    }
+
+    /// [`resolve`]: what cannot be mapped is read; an explicit backend stands, but no map on a
+    /// network filesystem; "auto" asks [`choose`], measuring residency only then, and reads what
+    /// must pass through the reader.
+    #[test]
+    fn a_backend_resolves_by_the_file() {
+        const GIB: u64 = 1 << 30;
+        let facts = |kind, can_map, reads_bytes| Facts {
+            kind,
+            can_map,
+            data_len: GIB,
+            reads_bytes,
+        };
+        let local = facts(FsKind::Local, true, false);
+        let unmeasured = || -> Option<f64> { panic!("residency measured for an explicit backend") };
+        assert_eq!(
+            resolve(Backend::Mmap, &local, unmeasured),
+            (Strategy::Mmap, None)
+        );
+        assert_eq!(
+            resolve(Backend::Pread, &local, unmeasured),
+            (Strategy::Pread, None)
+        );
+        assert_eq!(
+            resolve(Backend::Direct, &local, unmeasured),
+            (Strategy::Direct, None)
+        );
+        let object = facts(FsKind::Network("s3"), false, false);
+        for backend in [Backend::Auto, Backend::Mmap, Backend::Direct] {
+            assert_eq!(
+                resolve(backend, &object, unmeasured),
+                (Strategy::Pread, None)
+            );
+        }
+        let fuse = facts(FsKind::Network("fuse"), true, false);
+        assert_eq!(
+            resolve(Backend::Mmap, &fuse, || Some(0.0)),
+            (Strategy::Direct, Some(0.0))
+        );
+        assert_eq!(
+            resolve(Backend::Auto, &fuse, || Some(1.0)),
+            (Strategy::Pread, Some(1.0))
+        );
+        if auto_may_map() {
+            assert_eq!(
+                resolve(Backend::Auto, &local, || Some(1.0)),
+                (Strategy::Mmap, Some(1.0))
+            );
+        }
+        let hashed = facts(FsKind::Local, true, true);
+        assert_ne!(
+            resolve(Backend::Auto, &hashed, || Some(1.0)).0,
+            Strategy::Mmap
+        );
+    }
+
+    /// [`Backend::requested`]: a forced backend over the call's, `SAFELOAD_BACKEND` over "auto"
+    /// only, names checked either way; what forces one ([`Backend::forced`]).
+    #[test]
+    fn overrides_of_the_backend_asked_for() {
+        use Backend::{Auto, Direct, Mmap, Pread};
+        let asked = |name, forced, env| Backend::requested_with(name, forced, env).ok();
+        // (name, forced, $SAFELOAD_BACKEND) -> backend (None: an error)
+        let table = [
+            ("auto", None, None, Some(Auto)),
+            ("auto", None, Some(""), Some(Auto)),
+            ("mmap", None, None, Some(Mmap)),
+            ("fast", None, None, None),
+            ("auto", None, Some("pread"), Some(Pread)),
+            ("direct", None, Some("pread"), Some(Direct)),
+            ("auto", None, Some("fast"), None),
+            ("mmap", Some(Pread), None, Some(Pread)),
+            ("auto", Some(Direct), Some("pread"), Some(Direct)),
+            ("fast", Some(Pread), None, None),
+        ];
+        for (name, forced, env, want) in table {
+            assert_eq!(asked(name, forced, env), want, "{name} {forced:?} {env:?}");
+        }
+        // (what force() set, $SAFELOAD_PATCH) -> forced
+        let forced = [
+            (None, "", None),
+            (None, "1", None),
+            (None, " Direct ", Some(Direct)),
+            (None, "pread", Some(Pread)),
+            (Some(None), "pread", None), // unpatched: the variable no longer forces
+            (Some(Some(Mmap)), "pread", Some(Mmap)),
+        ];
+        for (set, env, want) in forced {
+            assert_eq!(Backend::forced_by(set, env), want, "{set:?} {env:?}");
         }
     }
 

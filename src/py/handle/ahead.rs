@@ -1,6 +1,8 @@
 //! A `Handle`'s read-ahead: made at the first read that wants it, tensors taken into
 //! destinations the caller provides (MPS), and safetensors 0.9's prefetch loaders.
 
+use std::sync::Arc;
+
 use pyo3::prelude::*;
 
 use super::Handle;
@@ -12,6 +14,7 @@ use crate::py::prefetch::{Makers, Prefetch};
 use crate::py::provided;
 use crate::read::prefetch::Rows;
 use crate::read::readahead::{self, Mode, ReadAhead};
+use crate::read::strategy::Purpose;
 
 impl Handle {
     /// The handle's read-ahead, made at the first call: into `provided` destinations (see
@@ -20,7 +23,12 @@ impl Handle {
         self.ahead
             .get_or_init(|| {
                 let budget = readahead::budget_from_env();
-                let mode = ckpt.ahead(self.shard, provided, false)?;
+                let purpose = if provided {
+                    Purpose::Provided
+                } else {
+                    Purpose::Pulls
+                };
+                let mode = ckpt.plan(purpose, self.shard).ahead?;
                 let (source, tally) = (ckpt.shards[self.shard].clone(), ckpt.tally());
                 (budget > 0).then(|| ReadAhead::new(source, tally, mode, ckpt.options(), budget))
             })
@@ -54,7 +62,7 @@ impl Handle {
     pub(super) fn start_prefetch(
         &self,
         py: Python<'_>,
-        ckpt: &Checkpoint,
+        ckpt: &Arc<Checkpoint>,
         plan: Option<Vec<(String, Rows)>>,
         threads: Option<usize>,
         budget: u64,
@@ -64,26 +72,23 @@ impl Handle {
         if let Some(t) = threads {
             opts.threads = Some(t.max(1));
         }
-        let provided = makers.allocate.is_some();
-        let mode = (ckpt.ahead(self.shard, provided, true)).ok_or_else(|| {
-            Error::Argument(
+        if ckpt.pinned_shard(self.shard) {
+            return Err(Error::Argument(
                 "verify=: prefetch reads the file in the background, and a verified handle \
                  serves its tensors only from the bytes it hashed at open: use get_tensor / \
                  get_slice"
                     .into(),
             )
-        })?;
-        let (source, strategy) = (ckpt.shards[self.shard].clone(), ckpt.strategy());
-        let tally = ckpt.tally();
+            .into());
+        }
+        let purpose = match makers.allocate {
+            Some(_) => Purpose::Provided,
+            None => Purpose::Prefetch,
+        };
+        let mode = ckpt.plan(purpose, self.shard).ahead;
+        let at = (ckpt.clone(), self.shard);
         detached(py, |_| {
-            Prefetch::start(
-                (source, tally),
-                plan,
-                (strategy, mode),
-                makers,
-                opts,
-                budget,
-            )
+            Prefetch::start(at, plan, mode, makers, opts, budget)
         })
     }
 }

@@ -160,6 +160,14 @@ impl Handle {
         Ok(self.ckpt()?.totals().strategy.name())
     }
 
+    /// The backend this file was asked to be read with, after the process's overrides (a
+    /// patch's forced backend, `$SAFELOAD_BACKEND`: `Backend::requested`): "auto", "mmap",
+    /// "pread" or "direct".
+    #[getter]
+    fn asked_backend(&self) -> PyResult<&'static str> {
+        Ok(self.ckpt()?.backend().name())
+    }
+
     /// The filesystem kind the file lives on ("local", "memory", "fuse", "nfs", ...).
     #[getter]
     fn storage(&self) -> PyResult<&'static str> {
@@ -305,7 +313,7 @@ impl Handle {
     /// The file's path or URL, as messages and logs show it (a URL without its secrets).
     #[getter]
     fn path(&self) -> PyResult<PathBuf> {
-        Ok(super::shown(&self.source()?.path))
+        Ok(crate::storage::redact::shown(&self.source()?.path))
     }
 
     /// One tensor: `(name, dtype code, shape, bytes)`, or the tensor `importer` makes of them

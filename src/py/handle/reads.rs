@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 
 use super::Handle;
-use crate::checkpoint::{Checkpoint, Entry};
+use crate::checkpoint::{Checkpoint, Entry, ReadStats};
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::py::bytes::{Bytes, TensorTuple};
@@ -12,7 +12,6 @@ use crate::py::dlpack::Destinations;
 use crate::py::errors::detached;
 use crate::py::stats::Stats;
 use crate::read::readahead::Mode;
-use crate::read::strategy::Strategy;
 
 impl Handle {
     /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,
@@ -54,11 +53,10 @@ impl Handle {
     ) -> PyResult<Vec<TensorTuple>> {
         let ckpt = self.ckpt()?;
         let entries = ckpt.select_in(self.shard, names.as_deref())?;
-        let (out, ran) = read_entries(py, &ckpt, &entries, dtype)?;
-        // Views of a map: its pages are made resident ahead of the caller's touches, in file
-        // order (not when the tensors were read into memory, converting).
-        if names.is_none()
-            && ran == Strategy::Mmap
+        let (out, read) = read_entries(py, &ckpt, &entries, dtype)?;
+        // What the read's plan leaves to read ahead (the pages of a map of every tensor), by the
+        // handle's read-ahead.
+        if read.ahead.is_some()
             && let Some(ahead) = self.ahead(&ckpt, false)
         {
             ahead.want_all();
@@ -83,19 +81,19 @@ impl Handle {
     }
 }
 
-/// Reads (or maps) `entries`; returns their tuples and the strategy that ran (a map cannot
-/// convert dtypes, so `Mmap` with a converting `dtype` runs `Pread`).
+/// Reads (or maps) `entries` by the checkpoint's plan; returns their tuples and what the read
+/// did.
 fn read_entries(
     py: Python<'_>,
     ckpt: &Checkpoint,
     entries: &[Entry<'_>],
     dtype: Option<Dtype>,
-) -> PyResult<(Vec<TensorTuple>, Strategy)> {
+) -> PyResult<(Vec<TensorTuple>, ReadStats)> {
     let (buffers, stats) = detached(py, |poll| ckpt.read(entries, dtype, poll))?;
     let tuples = entries
         .iter()
         .zip(buffers)
         .map(|((_, t), (b, d))| (t.name.clone(), d.code(), t.shape.clone(), Bytes::new(b)))
         .collect();
-    Ok((tuples, stats.strategy))
+    Ok((tuples, stats))
 }

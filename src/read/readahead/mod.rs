@@ -36,7 +36,8 @@ use crate::platform;
 use crate::read::buffer::{Fresh, TensorBytes};
 use crate::read::engine::Tally;
 use crate::read::source::{self, ReadOptions, Source};
-use crate::read::strategy::{self, Strategy};
+pub use crate::read::strategy::Mode;
+use crate::read::strategy::Strategy;
 
 mod budget;
 mod provided;
@@ -44,22 +45,20 @@ mod walk;
 mod worker;
 
 /// Makes the pages of every tensor of each of `sources` resident in its map, in the background,
-/// one file after another in file order, for the shards whose data are not all in the page cache
-/// now ([`Mode::ahead`]'s rule): what `get_tensors()` on a mapped handle starts, for a
-/// checkpoint's whole read of mapped shards, which has no handle to keep a read-ahead in. A cold
-/// `load_checkpoint`'s touches then find pages read ahead of them instead of faulting each window
-/// in, so it reads each shard as fast as `load_file` of that shard does. The walk ends on its own
-/// at the last shard; `SAFELOAD_READAHEAD_BYTES=0` turns it off, as it turns off every read-ahead.
+/// one file after another in file order: what the read plan leaves to read ahead after a
+/// checkpoint's whole read of mapped shards whose pages are not resident
+/// ([`strategy::Purpose::All`]), which has no handle to keep a read-ahead in (a handle's
+/// `get_tensors()` uses its own). A cold `load_checkpoint`'s touches then find pages read ahead
+/// of them instead of faulting each window in, so it reads each shard as fast as `load_file` of
+/// that shard does. The walk ends on its own at the last shard; `SAFELOAD_READAHEAD_BYTES=0`
+/// turns it off, as it turns off every read-ahead.
 pub fn populate_in_background(sources: Vec<Arc<Source>>, tally: Arc<Tally>, opts: ReadOptions) {
     let budget = budget_from_env();
-    let cold: Vec<Arc<Source>> = (sources.into_iter())
-        .filter(|s| Mode::ahead(Strategy::Mmap, false, false, || s.cached()).is_some())
-        .collect();
-    if budget == 0 || cold.is_empty() {
+    if budget == 0 || sources.is_empty() {
         return;
     }
     let walk = move || {
-        for source in cold {
+        for source in sources {
             let ahead = ReadAhead::new(source, tally.clone(), Mode::PageCache, opts, budget);
             ahead.want_all();
             ahead.finish();
@@ -87,49 +86,6 @@ const FIRST_WINDOW: u64 = 64 << 20;
 const BATCH_WORKERS: usize = 2;
 /// How often a waiting caller polls for cancellation.
 const WAIT: Duration = Duration::from_millis(20);
-
-/// Where read-ahead puts the bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Owned buffers, read with this strategy (`Pread` or `Direct`).
-    Owned(Strategy),
-    /// The page cache, for a mapped file.
-    PageCache,
-    /// Destinations the caller provides ([`ReadAhead::provide`]), read with pread.
-    Provided,
-}
-
-impl Mode {
-    /// What is read ahead of the caller's asks, and where (None: nothing), for a file whose whole
-    /// tensors are read with `strategy`: the one rule every read-ahead follows. `provided`: into
-    /// destinations the caller provides (MPS), read with pread. Otherwise owned memory read as
-    /// whole tensors are; for a map, its pages made resident, which tensors pulled one at a time
-    /// (`eager` false) want only where the file is not resident already (`cached()`, asked only
-    /// then: [`strategy::populate_ahead`]), and a prefetch (`eager`: it reads the plan it was
-    /// given) always.
-    pub fn ahead(
-        strategy: Strategy,
-        provided: bool,
-        eager: bool,
-        cached: impl FnOnce() -> Option<f64>,
-    ) -> Option<Mode> {
-        match strategy {
-            _ if provided => Some(Mode::Provided),
-            Strategy::Mmap if !eager && !strategy::populate_ahead(cached()) => None,
-            Strategy::Mmap => Some(Mode::PageCache),
-            owned => Some(Mode::Owned(owned)),
-        }
-    }
-
-    /// The strategy reads of this mode ask for.
-    fn strategy(self) -> Strategy {
-        match self {
-            Mode::Owned(strategy) => strategy,
-            Mode::PageCache => Strategy::Mmap,
-            Mode::Provided => Strategy::Pread,
-        }
-    }
-}
 
 enum Slot {
     /// Not read yet; the read-ahead may claim it (except in [`Mode::Provided`]).
@@ -183,8 +139,9 @@ struct Shared {
     budget: u64,
     /// The window before anything was taken.
     first_window: u64,
-    /// Page cache: whether pages are made resident at all (not for a prefetch of a file that is
-    /// resident already, whose views need nothing; see [`ReadAhead::eager`]).
+    /// Whether anything is read ahead at all (not where the read plan reads nothing ahead: a
+    /// prefetch of a file whose map is resident already, whose views need nothing; see
+    /// [`ReadAhead::eager`]).
     populate: bool,
     /// A prefetch ([`ReadAhead::eager`]): a request for a tensor the walk will reach within
     /// the window waits for it, so the file is read in file order whatever the request order.
@@ -238,7 +195,7 @@ impl ReadAhead {
         Self::build(
             (source, tally),
             items,
-            mode,
+            (mode, true),
             opts,
             budget,
             FIRST_WINDOW,
@@ -249,16 +206,20 @@ impl ReadAhead {
     /// Read-ahead of `items` (parts of `source`'s tensors: name, dtype and shape of what is
     /// read, data offsets of its bytes; in file order, disjoint), started now from the first
     /// with the whole `budget` as its window: what a prefetch plan asks for. Indices in the
-    /// other calls are indices into `items`.
+    /// other calls are indices into `items`. `mode` None: the read plan reads nothing ahead (views
+    /// of a map whose pages are resident): no worker runs and every take maps its own view.
     pub fn eager(
         source: Arc<Source>,
         tally: Arc<Tally>,
         items: Vec<TensorInfo>,
-        mode: Mode,
+        mode: Option<Mode>,
         opts: ReadOptions,
         budget: u64,
     ) -> ReadAhead {
-        let ahead = Self::build((source, tally), items, mode, opts, budget, budget, true);
+        let populate = mode.is_some();
+        let mode = mode.unwrap_or(Mode::PageCache);
+        let at = (source, tally);
+        let ahead = Self::build(at, items, (mode, populate), opts, budget, budget, true);
         let mut state = ahead.shared.lock();
         if !ahead.shared.populate {
             state.started = true; // and nothing runs: every take maps its own view
@@ -269,10 +230,11 @@ impl ReadAhead {
         ahead
     }
 
+    /// The read-ahead of `items` in `mode`, reading ahead only where `populate` says.
     fn build(
         (source, tally): (Arc<Source>, Arc<Tally>),
         items: Vec<TensorInfo>,
-        mode: Mode,
+        (mode, populate): (Mode, bool),
         opts: ReadOptions,
         budget: u64,
         first_window: u64,
@@ -299,11 +261,6 @@ impl ReadAhead {
             waiters: 0,
             room_waiters: 0,
         };
-        // A resident file's pages are there: views of them need no worker and no populate (the
-        // rule every mapped read follows, [`strategy::populate_ahead`]). A handle's own
-        // read-ahead is not made for such a file at all; a prefetch's is, and its takes map.
-        let populate =
-            !eager || mode != Mode::PageCache || strategy::populate_ahead(source.cached());
         let batch_limit = worker::batch_limit(&source, mode, &opts);
         let opts = match mode {
             Mode::Owned(_) | Mode::Provided => {
@@ -339,7 +296,8 @@ impl ReadAhead {
         }
     }
 
-    /// Whether anything is read ahead at all (not for a prefetch of a resident file's map).
+    /// Whether anything is read ahead at all (not where the read plan reads nothing ahead: a
+    /// prefetch of a resident file's map).
     pub fn reads(&self) -> bool {
         self.shared.populate
     }
@@ -557,35 +515,6 @@ impl Shared {
 mod tests {
     use super::*;
 
-    /// `Mode::ahead`, every case: (strategy, provided, eager, residency) -> mode.
-    #[test]
-    fn what_is_read_ahead_follows_one_rule() {
-        use Strategy::{Direct, Mmap, Pread};
-        let cold = || Some(0.2);
-        let resident = || Some(1.0);
-        let unknown = || None;
-        let owned = |s| Some(Mode::Owned(s));
-        type Case = (Strategy, bool, bool, fn() -> Option<f64>, Option<Mode>);
-        let table: [Case; 12] = [
-            (Pread, false, false, resident, owned(Pread)),
-            (Direct, false, false, cold, owned(Direct)),
-            (Pread, false, true, cold, owned(Pread)),
-            (Direct, false, true, resident, owned(Direct)),
-            (Mmap, false, false, cold, Some(Mode::PageCache)),
-            (Mmap, false, false, unknown, Some(Mode::PageCache)),
-            (Mmap, false, false, resident, None), // a resident map: nothing to make resident
-            (Mmap, false, true, resident, Some(Mode::PageCache)), // a prefetch reads its plan
-            (Mmap, true, false, resident, Some(Mode::Provided)),
-            (Pread, true, false, cold, Some(Mode::Provided)),
-            (Direct, true, true, cold, Some(Mode::Provided)),
-            (Mmap, true, true, unknown, Some(Mode::Provided)),
-        ];
-        for (strategy, provided, eager, cached, want) in table {
-            let got = Mode::ahead(strategy, provided, eager, cached);
-            assert_eq!(got, want, "{strategy:?} provided={provided} eager={eager}");
-        }
-    }
-
     use crate::format::dtype::Dtype;
     use crate::format::serialize;
 
@@ -695,7 +624,7 @@ mod tests {
             source.clone(),
             tally.clone(),
             items.clone(),
-            Mode::Owned(Strategy::Pread),
+            Some(Mode::Owned(Strategy::Pread)),
             ReadOptions::default(),
             64 << 20,
         );
@@ -716,7 +645,7 @@ mod tests {
             source.clone(),
             Default::default(),
             items,
-            Mode::Owned(Strategy::Pread),
+            Some(Mode::Owned(Strategy::Pread)),
             ReadOptions::default(),
             512 << 10,
         );

@@ -37,8 +37,14 @@ pub fn hash_files(
         .collect::<Result<Vec<_>>>()?;
     let sources: Vec<&Source> = sources.iter().collect();
     let strategy = sources.first().map_or(Strategy::Pread, |first| {
-        let (resolved, cached) = first.resolve_measured(backend, &opts);
-        strategy::for_purpose(resolved, cached, Purpose::Copies, false)
+        let (resolved, cached) = strategy::resolve(backend, &first.facts(true), || first.cached());
+        let known = strategy::Known {
+            resolved,
+            cached,
+            direct_refused: false,
+            pinned: false,
+        };
+        strategy::plan(&known, Purpose::Copies, || cached).strategy
     });
     hash_sources(&sources, strategy, &opts, max_bytes, poll)
 }

@@ -18,7 +18,7 @@ use crate::platform::{self, Uncached};
 use crate::read::buffer::{self, Region, TensorBytes};
 use crate::read::engine::{self, Input, Settings};
 use crate::read::filehash::{self, FileHash};
-use crate::read::strategy::{self, Backend, Strategy};
+use crate::read::strategy::{self, Strategy};
 
 mod digests;
 mod ranges;
@@ -160,41 +160,14 @@ impl Source {
         })
     }
 
-    /// The strategy a backend request means for this file ("auto" looks at the filesystem and
-    /// at how much of the data is in the page cache), with the page-cache residency measured for
-    /// it (None when it was not measured or cannot be told), so a caller can reuse the one probe.
-    /// "auto" does not map when `opts` asks for the pages to be dropped after reading.
-    pub fn resolve_measured(
-        &self,
-        backend: Backend,
-        opts: &ReadOptions,
-    ) -> (Strategy, Option<f64>) {
-        if !self.backing.can_map() {
-            // Objects in a store are read with ranged GETs, whatever was asked for.
-            return (Strategy::Pread, None);
-        }
-        match backend {
-            // Never a map on a network filesystem, even when asked for one: every fault would be
-            // a small remote read, and a file that shrinks under a map kills the process. The
-            // network reader gives the same tensors.
-            Backend::Mmap if !matches!(self.kind, FsKind::Network(_)) => (Strategy::Mmap, None),
-            Backend::Pread => (Strategy::Pread, None),
-            Backend::Direct => (Strategy::Direct, None),
-            Backend::Auto | Backend::Mmap => {
-                let cached = self.cached();
-                let available = crate::read::memory::available();
-                let strategy = strategy::choose(
-                    self.kind,
-                    cached,
-                    self.header.data_len(),
-                    strategy::direct_above(available),
-                    // Pages asked to be dropped after the read, or hashed, are read, not mapped
-                    // (a map's pages are the tensors' memory, and it reads nothing).
-                    strategy::auto_may_map() && !opts.reads_bytes(),
-                    available,
-                );
-                (strategy, cached)
-            }
+    /// What the read plan needs to know of this file (`strategy::resolve`); `reads_bytes`:
+    /// the read must pass its bytes through the reader ([`ReadOptions::reads_bytes`]).
+    pub fn facts(&self, reads_bytes: bool) -> strategy::Facts {
+        strategy::Facts {
+            kind: self.kind,
+            can_map: self.backing.can_map(),
+            data_len: self.header.data_len(),
+            reads_bytes,
         }
     }
 

@@ -18,9 +18,9 @@ const IN_PLACE_RUN_BYTES: usize = 64 << 10;
 const GATHER_GAP_BYTES: usize = 16 << 10;
 
 impl Source {
-    /// Reads the rows of `plan` (a slice of tensor `info`) into a new buffer, the long ones with
-    /// `strategy` (Pread or Direct); returns it and the read's report (the bytes read from the
-    /// file, gathered spans included).
+    /// The rows of `plan` (a slice of tensor `info`) in a new buffer: cut out of the map under
+    /// `Mmap` (nothing read), else read, the long ones with `strategy` (Pread or Direct); returns
+    /// it and the read's report (the bytes read from the file, gathered spans included).
     pub fn read_slice(
         &self,
         info: &TensorInfo,
@@ -29,6 +29,10 @@ impl Source {
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(TensorBytes, Report)> {
+        if strategy == Strategy::Mmap {
+            let part = buffer::cut(plan, &self.map_tensor(info)?)?;
+            return Ok((part, Report::default()));
+        }
         let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
             .pop()

@@ -147,7 +147,7 @@ pub type Tensors = Vec<(TensorBytes, Dtype)>;
 
 /// Tensors of one or more sources as `strategy` gives them: views of each file's map for
 /// `Mmap` (zero copy; `dtype` must convert none of them: a map cannot change dtypes, so
-/// [`crate::read::strategy::for_purpose`] never picks one for a converting read), else read by the
+/// the read plan, `crate::read::strategy::plan`, never picks one for a converting read), else read by the
 /// parallel reader, converting to `dtype`. Returns the bytes and dtype of each and the read's
 /// report (empty for maps).
 pub fn read_or_map(
