@@ -374,15 +374,32 @@ impl Checkpoint {
             let stats = self.record(plan, &done);
             return Ok((out?, stats));
         }
+        let mut done = Report::default();
+        let out = self.read_whole(selection, plan.strategy, dtype, poll, &mut done)?;
+        Ok((out, self.record(plan, &done)))
+    }
+
+    /// Whole tensors of `selection` with `strategy` into new memory (views of the map under
+    /// `Mmap`), converted to `dtype` where asked; what the read did is added to `done`. The one
+    /// read of whole tensors, pinned shards read straight (hashed on the way) included.
+    fn read_whole(
+        &self,
+        selection: &[Entry<'_>],
+        strategy: Strategy,
+        dtype: Option<Dtype>,
+        poll: &mut dyn FnMut() -> bool,
+        done: &mut Report,
+    ) -> Result<Tensors> {
         let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
-            plan.strategy,
+            strategy,
             dtype,
             &self.opts,
             poll,
         )?;
-        Ok((out, self.record(plan, &report)))
+        done.add(&report);
+        Ok(out)
     }
 
     /// Reads tensors into memory the caller owns (each target names its tensor, its dtype and

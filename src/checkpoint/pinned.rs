@@ -230,15 +230,7 @@ impl Checkpoint {
                 }
             }
             let strategy = self.plan(self.purpose_of(&straight, dtype), 0).strategy;
-            let (out, report) = source::read_or_map(
-                &self.sources(),
-                &straight,
-                strategy,
-                dtype,
-                &self.opts,
-                poll,
-            )?;
-            done.add(&report);
+            let out = self.read_whole(&straight, strategy, dtype, poll, done)?;
             for &s in &direct {
                 self.check_shard(s)?;
             }
@@ -463,10 +455,10 @@ fn converted(
     info: &TensorInfo,
     dtype: Option<Dtype>,
 ) -> Result<(TensorBytes, Dtype)> {
-    let to = match dtype {
-        Some(d) if d != info.dtype && crate::format::convert::supported(info.dtype, d) => d,
-        _ => return Ok((bytes, info.dtype)),
-    };
+    let to = crate::format::convert::read_as(info.dtype, dtype);
+    if to == info.dtype {
+        return Ok((bytes, to));
+    }
     let len = crate::format::convert::converted_len(info.dtype, to, bytes.len())
         .map_err(|e| Error::Destination(format!("tensor {}: {e}", info.name)))?;
     let mut out = crate::read::buffer::allocate(&[len]).map_err(|e| {
@@ -476,8 +468,13 @@ fn converted(
         ))
     })?;
     let mut fresh = out.pop().expect("one asked");
-    crate::format::convert::convert(info.dtype, to, bytes.as_slice(), fresh.as_mut_slice())
-        .map_err(|e| Error::Destination(format!("tensor {}: {e}", info.name)))?;
+    let target = Target {
+        source: 0,
+        info,
+        dtype: to,
+        dest: fresh.as_mut_slice(),
+    };
+    copy_into(&bytes, target)?;
     Ok((fresh.into_shared(), to))
 }
 

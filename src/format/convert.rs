@@ -101,6 +101,16 @@ pub fn supported(from: Dtype, to: Dtype) -> bool {
     is_float(from) && is_float(to)
 }
 
+/// The dtype a tensor of `from` is read as when a load asks for `asked` (`dtype=`): `asked`
+/// where [`convert`] handles the pair (the floating-point ones), else `from` (the others keep
+/// theirs): the one rule every converting read follows.
+pub fn read_as(from: Dtype, asked: Option<Dtype>) -> Dtype {
+    match asked {
+        Some(to) if supported(from, to) => to,
+        _ => from,
+    }
+}
+
 /// Bytes that `src_bytes` of `from` take once converted to `to`; the caller sizes destinations
 /// with it. An error if the pair is unsupported or `src_bytes` is not whole elements.
 pub fn converted_len(from: Dtype, to: Dtype, src_bytes: usize) -> Result<usize, ConvertError> {

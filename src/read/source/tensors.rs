@@ -94,10 +94,7 @@ fn read_tensors(
 ) -> Result<(Tensors, Report)> {
     let dtypes: Vec<Dtype> = wanted
         .iter()
-        .map(|(_, t)| match dtype {
-            Some(d) if crate::format::convert::supported(t.dtype, d) => d,
-            _ => t.dtype,
-        })
+        .map(|(_, t)| crate::format::convert::read_as(t.dtype, dtype))
         .collect();
     let sizes: Vec<usize> = wanted
         .iter()
