@@ -65,8 +65,9 @@ pub struct Checkpoint {
     opts: ReadOptions,
     /// The request size reads use (the caller's, else one suited to the slowest shard).
     chunk_bytes: usize,
-    /// The first shard's resolution of `backend` and the residency measured for it: probed once.
-    resolved: OnceLock<(Strategy, Option<f64>)>,
+    /// Each shard's resolution of `backend` and the residency measured for it: probed once, at
+    /// the first read of the shard.
+    resolved: Vec<OnceLock<(Strategy, Option<f64>)>>,
     /// Uncached reads were asked for and the filesystem refused them: reads are buffered since.
     direct_refused: AtomicBool,
     /// Every read so far, its read-aheads' and prefetches' included.
@@ -160,7 +161,7 @@ impl Checkpoint {
             backend,
             opts,
             chunk_bytes,
-            resolved: OnceLock::new(),
+            resolved: paths.iter().map(|_| OnceLock::new()).collect(),
             direct_refused: AtomicBool::new(false),
             totals: Arc::default(),
             pins: pinned::Pins::default(),
@@ -246,11 +247,12 @@ impl Checkpoint {
     }
 
     /// How a read of shard `shard` for `purpose` is done: the read plan (`strategy::plan`) from
-    /// what was asked and what is known (the first shard's resolution of the backend stands for
-    /// all, resolved at the first call; uncached reads refused earlier; the shard's pin; its
-    /// residency, measured when a map's read-ahead depends on it). Every read path executes it.
+    /// what was asked and what is known (the shard's resolution of the backend, at its first
+    /// read; uncached reads refused earlier; the shard's pin; its residency, measured when a
+    /// map's read-ahead depends on it). Every read path executes it; a read of several shards
+    /// reads each by its own plan and reports the first one's.
     pub fn plan(&self, purpose: Purpose, shard: usize) -> Plan {
-        let (resolved, cached) = self.resolution();
+        let (resolved, cached) = self.resolution(shard);
         let known = Known {
             resolved,
             cached,
@@ -260,6 +262,20 @@ impl Checkpoint {
         strategy::plan(&known, purpose, || {
             self.shards.get(shard).and_then(|s| s.cached())
         })
+    }
+
+    /// Each shard's strategy for `purpose` (one per shard, for the source reads), resolving only
+    /// the `shards` a read touches (the others are not read: pread).
+    fn strategies(
+        &self,
+        purpose: Purpose,
+        shards: impl IntoIterator<Item = usize>,
+    ) -> Vec<Strategy> {
+        let mut out = vec![Strategy::Pread; self.shards.len()];
+        for s in shards {
+            out[s] = self.plan(purpose, s).strategy;
+        }
+        out
     }
 
     /// The shards whose pages the plan for every tensor (`Purpose::All`) reads ahead: mapped
@@ -299,12 +315,13 @@ impl Checkpoint {
         self.opts
     }
 
-    fn resolution(&self) -> (Strategy, Option<f64>) {
-        *self.resolved.get_or_init(|| {
-            self.shards.first().map_or((Strategy::Pread, None), |s| {
-                let facts = s.facts(self.opts.reads_bytes());
-                strategy::resolve(self.backend, &facts, || s.cached())
-            })
+    fn resolution(&self, shard: usize) -> (Strategy, Option<f64>) {
+        let Some(s) = self.shards.get(shard) else {
+            return (Strategy::Pread, None);
+        };
+        *self.resolved[shard].get_or_init(|| {
+            let facts = s.facts(self.opts.reads_bytes());
+            strategy::resolve(self.backend, &facts, || s.cached())
         })
     }
 
@@ -317,7 +334,7 @@ impl Checkpoint {
     /// [`Checkpoint::totals`] without probing the storage to resolve the backend: when nothing
     /// has resolved it (a handle closed before any read), the backend shows as pread.
     pub fn totals_unprobed(&self) -> ReadStats {
-        self.totals_or(|| match self.resolved.get() {
+        self.totals_or(|| match self.resolved.first().and_then(OnceLock::get) {
             Some(_) => self.strategy(),
             None => Strategy::Pread,
         })
@@ -366,8 +383,8 @@ impl Checkpoint {
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
-        let first = selection.first().map_or(0, |(s, _)| *s);
-        let plan = self.plan(self.purpose_of(selection, dtype), first);
+        let purpose = self.purpose_of(selection, dtype);
+        let plan = self.plan(purpose, selection.first().map_or(0, |(s, _)| *s));
         if self.is_pinned() {
             let mut done = Report::default();
             let out = self.read_pinned(selection, dtype, poll, &mut done);
@@ -375,25 +392,27 @@ impl Checkpoint {
             return Ok((out?, stats));
         }
         let mut done = Report::default();
-        let out = self.read_whole(selection, plan.strategy, dtype, poll, &mut done)?;
+        let out = self.read_whole(selection, purpose, dtype, poll, &mut done)?;
         Ok((out, self.record(plan, &done)))
     }
 
-    /// Whole tensors of `selection` with `strategy` into new memory (views of the map under
-    /// `Mmap`), converted to `dtype` where asked; what the read did is added to `done`. The one
-    /// read of whole tensors, pinned shards read straight (hashed on the way) included.
+    /// Whole tensors of `selection` into new memory for `purpose`, each shard by its plan (views
+    /// of the map where it maps), converted to `dtype` where asked; what the read did is added to
+    /// `done`. The one read of whole tensors, pinned shards read straight (hashed on the way)
+    /// included.
     fn read_whole(
         &self,
         selection: &[Entry<'_>],
-        strategy: Strategy,
+        purpose: Purpose,
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
         done: &mut Report,
     ) -> Result<Tensors> {
+        let strategies = self.strategies(purpose, selection.iter().map(|(s, _)| *s));
         let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
-            strategy,
+            &strategies,
             dtype,
             &self.opts,
             poll,
@@ -409,16 +428,35 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let plan = self.plan(Purpose::Copies, 0);
+        let plan = self.plan(Purpose::Copies, targets.first().map_or(0, |t| t.source));
         if self.is_pinned() {
             let mut done = Report::default();
             let result = self.read_into_pinned(targets, poll, &mut done);
             let stats = self.record(plan, &done);
             return result.map(|()| stats);
         }
-        let report =
-            source::read_targets(&self.sources(), targets, plan.strategy, &self.opts, poll)?;
-        Ok(self.record(plan, &report))
+        let mut done = Report::default();
+        self.read_targets(targets, poll, &mut done)?;
+        Ok(self.record(plan, &done))
+    }
+
+    /// `targets` read as copies, each shard by its plan; what the read did is added to `done`.
+    fn read_targets(
+        &self,
+        targets: Vec<Target<'_, '_>>,
+        poll: &mut dyn FnMut() -> bool,
+        done: &mut Report,
+    ) -> Result<()> {
+        let strategies = self.strategies(Purpose::Copies, targets.iter().map(|t| t.source));
+        let sources = self.sources();
+        done.add(&source::read_targets(
+            &sources,
+            targets,
+            &strategies,
+            &self.opts,
+            poll,
+        )?);
+        Ok(())
     }
 
     /// The bytes of `plan` (part of tensor `info` of shard `shard`) in new memory: cut out of

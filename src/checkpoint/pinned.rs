@@ -229,8 +229,8 @@ impl Checkpoint {
                     self.shards[s].start_hash();
                 }
             }
-            let strategy = self.plan(self.purpose_of(&straight, dtype), 0).strategy;
-            let out = self.read_whole(&straight, strategy, dtype, poll, done)?;
+            let purpose = self.purpose_of(&straight, dtype);
+            let out = self.read_whole(&straight, purpose, dtype, poll, done)?;
             for &s in &direct {
                 self.check_shard(s)?;
             }
@@ -273,14 +273,7 @@ impl Checkpoint {
         }
         drop(locks);
         if !rest.is_empty() {
-            let strategy = self.plan(Purpose::Copies, 0).strategy;
-            done.add(&source::read_targets(
-                &self.sources(),
-                rest,
-                strategy,
-                &self.opts,
-                poll,
-            )?);
+            self.read_targets(rest, poll, done)?;
         }
         Ok(())
     }
@@ -403,10 +396,7 @@ impl Checkpoint {
         let source = &self.shards[shard];
         source.start_hash();
         let all: Vec<Entry<'_>> = source.header.tensors.iter().map(|t| (shard, t)).collect();
-        let strategy = self.plan(Purpose::Views, 0).strategy;
-        let (out, report) =
-            source::read_or_map(&self.sources(), &all, strategy, None, &self.opts, poll)?;
-        done.add(&report);
+        let out = self.read_whole(&all, Purpose::Views, None, poll, done)?;
         self.check_shard(shard)?;
         let slots = held.get_or_insert_with(|| vec![None; all.len()]);
         for (slot, (bytes, _)) in slots.iter_mut().zip(out) {

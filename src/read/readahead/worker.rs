@@ -207,7 +207,8 @@ impl Shared {
                 dest: dest.as_mut_slice(),
             })
             .collect();
-        let report = source::read_targets(&[source], targets, Strategy::Pread, &self.opts, poll)?;
+        let report =
+            source::read_targets(&[source], targets, &[Strategy::Pread], &self.opts, poll)?;
         Ok((dests.into_iter().map(Fresh::into_shared).collect(), report))
     }
 
@@ -264,8 +265,14 @@ impl Shared {
             Mode::Owned(strategy) => {
                 let wanted: Vec<(usize, &TensorInfo)> = infos.iter().map(|t| (0, *t)).collect();
                 let mut poll = || self.stop.load(Ordering::Relaxed);
-                let (tensors, report) =
-                    source::read_or_map(&[source], &wanted, strategy, None, &self.opts, &mut poll)?;
+                let (tensors, report) = source::read_or_map(
+                    &[source],
+                    &wanted,
+                    &[strategy],
+                    None,
+                    &self.opts,
+                    &mut poll,
+                )?;
                 Ok((tensors.into_iter().map(|(b, _)| Some(b)).collect(), report))
             }
             Mode::PageCache => {

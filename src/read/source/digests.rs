@@ -36,24 +36,28 @@ pub fn hash_files(
         .map(|p| Source::open_with(p, store))
         .collect::<Result<Vec<_>>>()?;
     let sources: Vec<&Source> = sources.iter().collect();
-    let strategy = sources.first().map_or(Strategy::Pread, |first| {
-        let (resolved, cached) = strategy::resolve(backend, &first.facts(true), || first.cached());
-        let known = strategy::Known {
-            resolved,
-            cached,
-            direct_refused: false,
-            pinned: false,
-        };
-        strategy::plan(&known, Purpose::Copies, || cached).strategy
-    });
-    hash_sources(&sources, strategy, &opts, max_bytes, poll)
+    // Each file by its plan for a copy that passes every byte through the reader.
+    let strategies: Vec<Strategy> = (sources.iter())
+        .map(|s| {
+            let (resolved, cached) = strategy::resolve(backend, &s.facts(true), || s.cached());
+            let known = strategy::Known {
+                resolved,
+                cached,
+                direct_refused: false,
+                pinned: false,
+            };
+            strategy::plan(&known, Purpose::Copies, || cached).strategy
+        })
+        .collect();
+    hash_sources(&sources, &strategies, &opts, max_bytes, poll)
 }
 
-/// The SHA-256 of each of `sources` (in order), read with `strategy` (Pread or Direct) in rounds
-/// of at most `max_bytes` (at least one byte), and what the reads did.
+/// The SHA-256 of each of `sources` (in order), each read with its strategy in `strategies`
+/// (Pread or Direct) in rounds of at most `max_bytes` (at least one byte), and what the reads
+/// did.
 fn hash_sources(
     sources: &[&Source],
-    strategy: Strategy,
+    strategies: &[Strategy],
     opts: &ReadOptions,
     max_bytes: u64,
     poll: &mut dyn FnMut() -> bool,
@@ -90,7 +94,7 @@ fn hash_sources(
             done[i] += take as u64;
         }
         let plan = interleaved(sources, spans, chunk);
-        let read = execute(sources, &plan, strategy, opts, poll)?;
+        let read = execute(sources, &plan, strategies, opts, poll)?;
         report.bytes += read.bytes;
         report.seconds += read.seconds;
         report.threads = report.threads.max(read.threads);

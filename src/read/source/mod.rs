@@ -340,20 +340,23 @@ pub fn threads(sources: &[&Source], opts: &ReadOptions) -> usize {
     settings(sources, opts).threads
 }
 
-/// Runs `plan` over `sources` with `strategy`: the one way a read asks the engine, so every read
-/// notes uncached reads refused (a file that could not be opened for them is read buffered) and
-/// honours `drop_cache` alike.
+/// Runs `plan` over `sources`, each read with its strategy in `strategies` (one per source:
+/// Pread or Direct): the one way a read asks the engine, so every read notes uncached reads
+/// refused (a file that could not be opened for them is read buffered) and honours `drop_cache`
+/// alike.
 fn execute(
     sources: &[&Source],
     plan: &crate::read::plan::Plan<'_>,
-    strategy: Strategy,
+    strategies: &[Strategy],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<engine::Report> {
-    let inputs: Vec<Input<'_>> = sources.iter().map(|s| s.input(strategy, opts)).collect();
+    let inputs: Vec<Input<'_>> = (sources.iter().zip(strategies))
+        .map(|(s, strategy)| s.input(*strategy, opts))
+        .collect();
     let mut report = engine::execute(&inputs, plan, settings(sources, opts), poll)?;
-    report.direct_refused |=
-        strategy == Strategy::Direct && inputs.iter().any(|i| i.direct.is_none());
+    report.direct_refused |= (inputs.iter().zip(strategies))
+        .any(|(i, strategy)| *strategy == Strategy::Direct && i.direct.is_none());
     if opts.drop_cache {
         (sources.iter())
             .filter_map(|s| s.backing.file())

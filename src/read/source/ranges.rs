@@ -57,7 +57,7 @@ impl Source {
         }
         let gathered = self.gather_small(info, &mut small)?;
         drop(small);
-        let mut report = execute(&[self], &in_place, strategy, opts, poll)?;
+        let mut report = execute(&[self], &in_place, &[strategy], opts, poll)?;
         drop(in_place);
         report.bytes += gathered;
         Ok((out.into_shared(), report))
@@ -145,5 +145,5 @@ pub fn read_data_ranges(
         let name = name_at(offset).unwrap_or("<data>");
         plan.add(0, source.header.data_start() + offset, dest, name);
     }
-    execute(&[source], &plan, strategy, opts, poll)
+    execute(&[source], &plan, &[strategy], opts, poll)
 }

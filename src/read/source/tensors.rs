@@ -54,12 +54,13 @@ pub fn check_fits(sources: &[&Source], targets: &[Target<'_, '_>]) -> Result<()>
     }
 }
 
-/// Reads every target with one worker pool, in (source, offset) order, with `strategy` (Pread
-/// or Direct), converting where a target's dtype differs from the file's.
+/// Reads every target with one worker pool, in (source, offset) order, each source with its
+/// strategy in `strategies` (Pread or Direct), converting where a target's dtype differs from
+/// the file's.
 pub fn read_targets(
     sources: &[&Source],
     targets: Vec<Target<'_, '_>>,
-    strategy: Strategy,
+    strategies: &[Strategy],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<Report> {
@@ -78,7 +79,7 @@ pub fn read_targets(
     if opts.hash {
         plan.take_turns();
     }
-    execute(sources, &plan, strategy, opts, poll)
+    execute(sources, &plan, strategies, opts, poll)
 }
 
 /// Reads tensors of one or more sources into new memory with one worker pool; `dtype` converts
@@ -87,7 +88,7 @@ pub fn read_targets(
 fn read_tensors(
     sources: &[&Source],
     wanted: &[(usize, &TensorInfo)],
-    strategy: Strategy,
+    strategies: &[Strategy],
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
@@ -130,7 +131,7 @@ fn read_tensors(
             dest: b.as_mut_slice(),
         })
         .collect();
-    let report = read_targets(sources, targets, strategy, opts, poll)?;
+    let report = read_targets(sources, targets, strategies, opts, poll)?;
     let out = buffers
         .into_iter()
         .map(Fresh::into_shared)
@@ -142,29 +143,57 @@ fn read_tensors(
 /// What a read of several tensors gives: each one's bytes and the dtype they hold.
 pub type Tensors = Vec<(TensorBytes, Dtype)>;
 
-/// Tensors of one or more sources as `strategy` gives them: views of each file's map for
-/// `Mmap` (zero copy; `dtype` must convert none of them: a map cannot change dtypes, so
-/// the read plan, `crate::read::strategy::plan`, never picks one for a converting read), else read by the
-/// parallel reader, converting to `dtype`. Returns the bytes and dtype of each and the read's
+/// Tensors of one or more sources as each source's strategy in `strategies` gives them: views
+/// of its file's map for `Mmap` (zero copy; `dtype` must convert none of them: a map cannot
+/// change dtypes, so the read plan, `crate::read::strategy::plan`, never maps for a converting
+/// read), else read by the parallel reader (one worker pool for every source read), converting
+/// to `dtype`. Returns the bytes and dtype of each, in the order of `wanted`, and the read's
 /// report (empty for maps).
 pub fn read_or_map(
     sources: &[&Source],
     wanted: &[(usize, &TensorInfo)],
-    strategy: Strategy,
+    strategies: &[Strategy],
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<(Tensors, Report)> {
-    if strategy != Strategy::Mmap {
-        return read_tensors(sources, wanted, strategy, dtype, opts, poll);
+    let (mapped, read): (Vec<usize>, Vec<usize>) =
+        (0..wanted.len()).partition(|&i| strategies[wanted[i].0] == Strategy::Mmap);
+    if mapped.is_empty() {
+        return read_tensors(sources, wanted, strategies, dtype, opts, poll);
     }
+    let pick = |at: &[usize]| at.iter().map(|&i| wanted[i]).collect::<Vec<_>>();
+    let mut out: Vec<Option<(TensorBytes, Dtype)>> = vec![None; wanted.len()];
+    let mut report = Report::default();
+    if !read.is_empty() {
+        let (bytes, done) = read_tensors(sources, &pick(&read), strategies, dtype, opts, poll)?;
+        report = done;
+        read.iter().zip(bytes).for_each(|(&i, b)| out[i] = Some(b));
+    }
+    let views = map_views(sources, &pick(&mapped), dtype)?;
+    mapped
+        .iter()
+        .zip(views)
+        .for_each(|(&i, v)| out[i] = Some(v));
+    let out = out
+        .into_iter()
+        .map(|t| t.expect("every tensor read or mapped"));
+    Ok((out.collect(), report))
+}
+
+/// Views of `wanted` (all of mapped sources) in their files' maps, each source's together: its
+/// file's length is checked once for all of them.
+fn map_views(
+    sources: &[&Source],
+    wanted: &[(usize, &TensorInfo)],
+    dtype: Option<Dtype>,
+) -> Result<Tensors> {
     if let Some((_, t)) = dtype.and_then(|d| wanted.iter().find(|(_, t)| t.dtype != d)) {
         return Err(Error::Internal(format!(
             "tensor {} asked for as a view of the map in another dtype",
             t.name
         )));
     }
-    // Each source's views together: its file's length is checked once for all of them.
     let mut views: Vec<Option<TensorBytes>> = vec![None; wanted.len()];
     for (s, source) in sources.iter().enumerate() {
         let (at, infos): (Vec<usize>, Vec<&TensorInfo>) = (wanted.iter().enumerate())
@@ -178,8 +207,7 @@ pub fn read_or_map(
             views[i] = Some(view);
         }
     }
-    let views = (views.into_iter().zip(wanted))
+    Ok((views.into_iter().zip(wanted))
         .map(|(view, (_, t))| (view.expect("every tensor has a source"), t.dtype))
-        .collect();
-    Ok((views, Report::default()))
+        .collect())
 }
