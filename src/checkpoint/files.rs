@@ -1,11 +1,11 @@
 //! Which files make a checkpoint, by one rule for paths and URLs alike: a file is itself; a
 //! directory (or a URL prefix) is its `*.safetensors.index.json` when it holds one, else its
 //! `*.safetensors` in name order; an index is the shards its `weight_map` names, beside it.
-//! Where the names come from is a [`Place`]: the file system here, an object store in
-//! `listing`.
+//! Where the names come from and the index is read is a [`Place`] (the storage layer's: the
+//! file system, an object store); this rule never asks which kind it has.
 //!
 //! A checkpoint is untrusted input: the names its index or a listing gives are checked by one
-//! rule ([`outside`]) before anything they name is opened or requested, so a published index
+//! rule ([`crate::format::names::outside`], or a store's stricter form) before anything they name is opened or requested, so a published index
 //! cannot take a load out of its folder, to another file, host or repository. What the caller
 //! passed (a path, a URL, a list of shards) is the caller's choice and is not confined.
 
@@ -13,34 +13,16 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-
-/// Where a checkpoint's files are listed and its index read.
-pub trait Place {
-    /// Whether `at` is a directory (a prefix to list) rather than one file.
-    fn is_dir(&self, at: &Path) -> Result<bool>;
-    /// The names directly in the directory `at`, sorted.
-    fn names(&self, at: &Path) -> Result<Vec<String>>;
-    /// Whether the file `at` is an index (`*.json`).
-    fn is_index(&self, at: &Path) -> bool {
-        at.to_string_lossy().ends_with(".json")
-    }
-    /// The whole of the index file `at` (at most [`INDEX_BYTES`]).
-    fn read(&self, at: &Path) -> Result<Vec<u8>>;
-    /// Why `name`, as an index or a listing of this place gives it, is not a file inside the
-    /// folder it is joined to; None when it is. The file system takes names as they are written;
-    /// a store also as its server decodes them (see `remote::listing`).
-    fn refuse(&self, name: &str) -> Option<&'static str> {
-        outside(name)
-    }
-    /// `name` in the directory `dir`.
-    fn join(&self, dir: &Path, name: &str) -> PathBuf;
-    /// The directory that holds the file `at`.
-    fn parent(&self, at: &Path) -> PathBuf;
-}
+use crate::storage::place::Place;
 
 /// The shard files of the checkpoint at `at` in `place`, in a stable order; a directory that
 /// holds none is an error.
-pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
+pub fn resolve(place: &dyn Place, at: &Path) -> Result<Vec<PathBuf>> {
+    resolve_normal(place, &place.normal(at))
+}
+
+/// [`resolve`] of `at` as `place` takes it ([`Place::normal`]).
+fn resolve_normal(place: &dyn Place, at: &Path) -> Result<Vec<PathBuf>> {
     if place.is_dir(at)? {
         let names = place.names(at)?;
         if let Some((name, why)) = names.iter().find_map(|n| Some((n, place.refuse(n)?))) {
@@ -53,7 +35,7 @@ pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
             .iter()
             .find(|n| n.ends_with(".safetensors.index.json"))
         {
-            return resolve(place, &place.join(at, index));
+            return resolve_normal(place, &place.join(at, index));
         }
         let files: Vec<PathBuf> = (names.iter())
             .filter(|n| n.ends_with(".safetensors"))
@@ -71,64 +53,6 @@ pub fn resolve(place: &impl Place, at: &Path) -> Result<Vec<PathBuf>> {
         return Ok(names.into_iter().map(|n| place.join(&base, &n)).collect());
     }
     Ok(vec![at.to_path_buf()])
-}
-
-/// The most bytes of an index read, local or remote: real ones are a few MiB (a weight_map of
-/// 100,000 names is ~10 MiB), and a file that is not one (`/dev/zero`) is refused, not read
-/// until memory runs out.
-pub const INDEX_BYTES: u64 = 64 << 20;
-
-pub use crate::format::names::outside;
-
-/// The local file system.
-pub struct Local;
-
-impl Place for Local {
-    fn is_dir(&self, at: &Path) -> Result<bool> {
-        Ok(at.is_dir())
-    }
-
-    fn names(&self, at: &Path) -> Result<Vec<String>> {
-        let open_err = |source| Error::Open {
-            path: at.to_path_buf(),
-            source,
-        };
-        let mut names: Vec<String> = std::fs::read_dir(at)
-            .map_err(open_err)?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .collect();
-        names.sort();
-        Ok(names)
-    }
-
-    fn read(&self, at: &Path) -> Result<Vec<u8>> {
-        use std::io::Read;
-        let open_err = |source| Error::Open {
-            path: at.to_path_buf(),
-            source,
-        };
-        let file = crate::platform::open_regular(at).map_err(open_err)?;
-        let mut json = Vec::new();
-        file.take(INDEX_BYTES + 1)
-            .read_to_end(&mut json)
-            .map_err(open_err)?;
-        if json.len() as u64 > INDEX_BYTES {
-            return Err(Error::Checkpoint(format!(
-                "{}: larger than {} MiB, not a safetensors index",
-                at.display(),
-                INDEX_BYTES >> 20
-            )));
-        }
-        Ok(json)
-    }
-
-    fn join(&self, dir: &Path, name: &str) -> PathBuf {
-        dir.join(name)
-    }
-
-    fn parent(&self, at: &Path) -> PathBuf {
-        at.parent().unwrap_or(Path::new("")).to_path_buf()
-    }
 }
 
 /// The shard names an index (`label`: where it came from, for the error) gives as its
@@ -167,6 +91,7 @@ fn index_shards(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::place::Local;
 
     #[test]
     fn files_directories_and_indexes() {

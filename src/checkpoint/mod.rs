@@ -1,7 +1,8 @@
-//! The checkpoint layer: which files make a checkpoint (`files`, `listing`), the checkpoint itself
-//! (here), what its files must hash to and the reads that honour it (`verify`, `pinned`,
-//! `record`), its batches (`stream`) and each rank's part (`ranks`). May use every layer below:
-//! `format`, `storage`, `read`, `platform`.
+//! The checkpoint layer: which files make a checkpoint (`files`: the rule, asked of the place
+//! the storage layer picks for a path or URL), the checkpoint itself (here), what its files must
+//! hash to and the reads that honour it (`verify`, `pinned`, `record`), its batches (`stream`)
+//! and each rank's part (`ranks`). May use every layer below: `format`, `storage`, `read`,
+//! `platform`.
 //!
 //! A checkpoint: one or many shards opened once (headers parsed once, storage probed once), its
 //! tensor table, byte-bounded batches of a selection, and the reads every consumer uses (a
@@ -25,8 +26,6 @@ use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy};
 
 pub(crate) mod files;
-#[cfg(feature = "remote")]
-mod listing;
 mod pinned;
 pub(crate) mod ranks;
 pub(crate) mod record;
@@ -109,16 +108,7 @@ impl Checkpoint {
     /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
     /// directory, an index.json, a URL or a URL prefix, by `files`' rule.
     pub fn files_at(at: &Path, store: &crate::storage::remote::Options) -> Result<Vec<PathBuf>> {
-        if !crate::storage::remote::is_url(at) {
-            return files::resolve(&files::Local, at);
-        }
-        #[cfg(feature = "remote")]
-        return listing::checkpoint_urls(at, store);
-        #[cfg(not(feature = "remote"))]
-        {
-            let _ = store;
-            Err(crate::storage::remote::unavailable(at))
-        }
+        files::resolve(&*crate::storage::place(at, store)?, at)
     }
 
     /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`. With

@@ -89,7 +89,7 @@ impl Checkpoint {
         };
         let mut ckpt = Checkpoint::open_with(paths, backend, opts, store)?;
         if let Some(pin) = pin {
-            ckpt.expect(pin, root, record)?;
+            ckpt.expect(pin, root, record, store)?;
         }
         Ok(ckpt)
     }
@@ -99,10 +99,17 @@ impl Checkpoint {
     /// `root`: what names are relative to ([`Checkpoint::root_of`]). A shard with no digest (a
     /// lenient `Pin::Known`) loads as it would unpinned; when none has one, nothing is hashed.
     /// `record`: the verified record (`crate::checkpoint::record`): a local file it vouches for is read
-    /// as unpinned, and one that hashes right is remembered in it.
+    /// as unpinned, and one that hashes right is remembered in it. `store`: the `storage_options`
+    /// the shards were opened with (where a `SHA256SUMS` may be looked for is their places' answer).
     ///
     /// [`ReadOptions::hash`]: crate::read::source::ReadOptions::hash
-    pub fn expect(&mut self, pin: &Pin, root: Option<&Path>, record: Option<Record>) -> Result<()> {
+    pub fn expect(
+        &mut self,
+        pin: &Pin,
+        root: Option<&Path>,
+        record: Option<Record>,
+        store: &crate::storage::remote::Options,
+    ) -> Result<()> {
         if !self.opts.hash {
             return Err(Error::Argument(
                 "verify= needs a checkpoint opened with hash=True".into(),
@@ -112,7 +119,7 @@ impl Checkpoint {
         let reported: Vec<_> = (self.shards.iter())
             .map(|s| (s.reported_digest()).map(|(digest, from)| Expected { digest, from }))
             .collect();
-        let expected = verify::expectations(pin, root, &paths, &reported)?;
+        let expected = verify::expectations(pin, root, &paths, &reported, store)?;
         let n = expected.len();
         let (mut recorded, mut before) = (vec![false; n], vec![None; n]);
         for (s, (shard, e)) in self.shards.iter().zip(&expected).enumerate() {

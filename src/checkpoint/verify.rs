@@ -1,12 +1,14 @@
 //! What each file of a checkpoint must hash to (`verify=`), worked out once at open, before any
 //! tensor is read: digests the caller pinned (a mapping, a `sha256sum` manifest) or the ones the
-//! source itself knows (the Hugging Face cache's blob names, a `SHA256SUMS` beside the files).
+//! source itself knows (the Hugging Face cache's blob names, a `SHA256SUMS` beside the files where
+//! their place lets a file the caller did not name be read: locally, never in a store).
 //! The read hashes what it reads ([`crate::format::digest`]); [`Expected::check`] compares.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::format::digest::{Digest, parse_manifest};
+use crate::storage::{self, place::INDEX_BYTES, remote::Options};
 
 /// What the caller asked to check the files against.
 #[derive(Debug, Clone)]
@@ -69,12 +71,14 @@ impl Expected {
 /// The expected digest of each of `shards` (None: none known, under a lenient [`Pin::Known`]),
 /// in their order. `root`: the folder names are relative to (the directory or the index's folder
 /// the caller named); None for a file or a list of files, whose names are their bare file names.
-/// `reported`: per shard, the digest its store reports (the Hub's), for [`Pin::Known`].
+/// `reported`: per shard, the digest its store reports (the Hub's), for [`Pin::Known`]. `store`:
+/// the stores' `storage_options` the shards were opened with.
 pub fn expectations(
     pin: &Pin,
     root: Option<&Path>,
     shards: &[PathBuf],
     reported: &[Option<Expected>],
+    store: &Options,
 ) -> Result<Vec<Option<Expected>>> {
     let names: Vec<String> = shards.iter().map(|s| name_in(root, s)).collect();
     match pin {
@@ -96,7 +100,10 @@ pub fn expectations(
             pinned(&names, shards, &table, &from, &from)
         }
         Pin::Known { strict } => {
-            let mut sums = Sums::default();
+            let mut sums = Sums {
+                store,
+                read: Vec::new(),
+            };
             (shards.iter().zip(&names).zip(reported))
                 .map(|((shard, name), reported)| {
                     let known = match (cache_blob(shard), reported) {
@@ -123,31 +130,39 @@ pub fn expectations(
 type Table = Vec<(String, Digest)>;
 
 /// The `SHA256SUMS` files read so far (None: there is none), by path: the root's, else each
-/// file's own folder's.
-#[derive(Default)]
-struct Sums(Vec<(PathBuf, Option<Table>)>);
+/// file's own folder's; `store`: the options the shards' places are reached with.
+struct Sums<'a> {
+    store: &'a Options,
+    read: Vec<(PathBuf, Option<Table>)>,
+}
 
-impl Sums {
+impl Sums<'_> {
     /// `shard`'s digest in the `SHA256SUMS` of its root (or its own folder without one), by
-    /// `name`; None when there is no such file or it has no line for the shard.
+    /// `name`; None when there is no such file or it has no line for the shard, and where the
+    /// shard's place may not be looked in beyond what the caller named (a store: nothing is
+    /// requested that the caller did not point at).
     fn lookup(
         &mut self,
         root: Option<&Path>,
         shard: &Path,
         name: &str,
     ) -> Result<Option<Expected>> {
-        if crate::storage::remote::is_url(shard) {
+        if !storage::place(shard, self.store)?.may_look_beside() {
             return Ok(None);
         }
         let Some(folder) = root.or_else(|| shard.parent()) else {
             return Ok(None);
         };
         let sums = folder.join(SUMS);
-        if !self.0.iter().any(|(f, _)| *f == sums) {
+        if !self.read.iter().any(|(f, _)| *f == sums) {
             let table = sums.is_file().then(|| read_manifest(&sums)).transpose()?;
-            self.0.push((sums.clone(), table));
+            self.read.push((sums.clone(), table));
         }
-        let (_, table) = self.0.iter().find(|(f, _)| *f == sums).expect("read above");
+        let (_, table) = self
+            .read
+            .iter()
+            .find(|(f, _)| *f == sums)
+            .expect("read above");
         Ok(table
             .as_ref()
             .and_then(|t| lookup(t, name))
@@ -210,24 +225,13 @@ fn pinned(
 /// A `sha256sum` manifest as (name, digest) pairs; a line not in its format is an error naming
 /// the manifest and the line.
 fn read_manifest(path: &Path) -> Result<Table> {
-    let open_err = |source| Error::Open {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = crate::platform::open_regular(path).map_err(open_err)?;
-    let mut text = Vec::new();
-    std::io::Read::read_to_end(
-        &mut std::io::Read::take(file, crate::checkpoint::files::INDEX_BYTES + 1),
-        &mut text,
-    )
-    .map_err(open_err)?;
-    if text.len() as u64 > crate::checkpoint::files::INDEX_BYTES {
-        return Err(Error::Verify(format!(
+    let text = storage::place::read_bounded(path, INDEX_BYTES, || {
+        Error::Verify(format!(
             "{}: larger than {} MiB, not a manifest",
             path.display(),
-            crate::checkpoint::files::INDEX_BYTES >> 20
-        )));
-    }
+            INDEX_BYTES >> 20
+        ))
+    })?;
     let entries = parse_manifest(&text).map_err(|error| Error::Manifest {
         path: path.to_path_buf(),
         error,
@@ -280,15 +284,15 @@ mod tests {
             ),
             ("config.json".into(), format!("{a}")),
         ]);
-        let got = expectations(&mapping, Some(&dir), &shards, &[None, None]).unwrap();
+        let got = expectations(&mapping, Some(&dir), &shards, &[None, None], &[]).unwrap();
         assert_eq!(got[0].as_ref().unwrap().digest, a);
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert_eq!(got[0].as_ref().unwrap().from, "the mapping");
         // A single file: its bare name.
-        let one = expectations(&mapping, None, &shards[..1], &[None]).unwrap();
+        let one = expectations(&mapping, None, &shards[..1], &[None], &[]).unwrap();
         assert_eq!(one[0].as_ref().unwrap().digest, a);
         let missing = Pin::Mapping(vec![("a.safetensors".into(), format!("{a}"))]);
-        let err = expectations(&missing, Some(&dir), &shards, &[None, None])
+        let err = expectations(&missing, Some(&dir), &shards, &[None, None], &[])
             .unwrap_err()
             .to_string();
         assert!(
@@ -296,7 +300,7 @@ mod tests {
             "{err}"
         );
         let bad = Pin::Mapping(vec![("a.safetensors".into(), "sha256:12".into())]);
-        let err = expectations(&bad, Some(&dir), &shards, &[None, None])
+        let err = expectations(&bad, Some(&dir), &shards, &[None, None], &[])
             .unwrap_err()
             .to_string();
         assert!(err.contains("64 hex digits"), "{err}");
@@ -311,13 +315,20 @@ mod tests {
             Some(&dir),
             &shards,
             &[None, None],
+            &[],
         )
         .unwrap();
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert!(got[1].as_ref().unwrap().from.contains("sums.txt"));
         std::fs::write(&manifest, "not a manifest\n").unwrap();
-        let err =
-            expectations(&Pin::Manifest(manifest), Some(&dir), &shards, &[None, None]).unwrap_err();
+        let err = expectations(
+            &Pin::Manifest(manifest),
+            Some(&dir),
+            &shards,
+            &[None, None],
+            &[],
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("line 1"), "{err}");
         let e = Expected {
             digest: a,
@@ -363,7 +374,7 @@ mod tests {
         let root = dir.join("snap");
         let shards = [linked, plain];
         let strict = Pin::Known { strict: true };
-        let err = expectations(&strict, Some(&root), &shards, &[None, None])
+        let err = expectations(&strict, Some(&root), &shards, &[None, None], &[])
             .unwrap_err()
             .to_string();
         assert!(err.contains("b.safetensors: no SHA-256 is known"), "{err}");
@@ -372,6 +383,7 @@ mod tests {
             Some(&root),
             &shards,
             &[None, None],
+            &[],
         )
         .unwrap();
         assert_eq!(lenient[0].as_ref().unwrap().digest, a);
@@ -379,7 +391,7 @@ mod tests {
         assert!(lenient[1].is_none());
         let b = Digest::of(b"b");
         std::fs::write(root.join(SUMS), format!("{b}  b.safetensors\n")).unwrap();
-        let got = expectations(&strict, Some(&root), &shards, &[None, None]).unwrap();
+        let got = expectations(&strict, Some(&root), &shards, &[None, None], &[]).unwrap();
         assert_eq!(got[1].as_ref().unwrap().digest, b);
         assert!(got[1].as_ref().unwrap().from.ends_with(SUMS));
         std::fs::remove_dir_all(&dir).unwrap();

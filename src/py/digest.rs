@@ -93,6 +93,7 @@ pub(super) fn known_digest(
             None,
             std::slice::from_ref(&path),
             &[reported],
+            &store,
         )
     })?;
     Ok((known.into_iter().next().flatten()).map(|e| (e.digest.to_string(), e.from)))

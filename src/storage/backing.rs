@@ -1,5 +1,6 @@
-//! What a [`crate::read::source::Source`] reads from: a local file (pread, uncached reads, maps), or an
-//! object in a store read with ranged GETs (`remote`, the pread path only).
+//! What a [`crate::read::source::Source`] reads from: a local file (pread, uncached reads, maps),
+//! or an object in a store read with ranged GETs (`remote`, the pread path only); what each can
+//! do, asked rather than which it is. `location::open` makes one.
 //!
 //! Also the one rule every read of a local file ends with ([`confirm_covered`]): a read that got
 //! all its bytes still fails when the file no longer covers them.
@@ -48,6 +49,28 @@ impl Backing {
         self.file()
             .is_none()
             .then_some((STORE_THREADS, STORE_CHUNK_BYTES))
+    }
+
+    /// Fills `buf` from `offset`, retrying short reads: short only where the file or object
+    /// ends (a header, read once at open; a read that must cover all of `buf` is
+    /// [`Backing::read_exact_at`]). Returns the bytes read.
+    pub fn read_fully_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        match self {
+            Backing::File(file) => platform::read_fully_at(file, buf, offset),
+            #[cfg(feature = "remote")]
+            Backing::Remote(object) => object.read_fully_at(buf, offset),
+        }
+    }
+
+    /// The SHA-256 the store reported of the object when it was opened and the header that said
+    /// it (the Hub's); taken from the opening request's answer. None for a file, and for an
+    /// object whose store reported none.
+    pub fn reported_digest(&self) -> Option<(crate::format::digest::Digest, &'static str)> {
+        match self {
+            Backing::File(_) => None,
+            #[cfg(feature = "remote")]
+            Backing::Remote(object) => (object.reported_digest()).map(|r| (r.digest, r.from)),
+        }
     }
 
     /// Fills `buf` from `offset`: a file or object that ends before, or no longer covers, all

@@ -1,9 +1,11 @@
 //! An opened checkpoint file: its validated header, and the ways to get tensor bytes out of it
 //! (parallel pread into owned buffers, a private map, or the byte rows of a slice).
 //!
-//! Here: the file, its strategy, its map and its hash; a slice's rows and spans of the data area
-//! in `ranges`, whole tensors (typed targets, new memory, map views) in `tensors`, whole files
-//! read for their digests in `digests`.
+//! Here: the file (a local file or an object in a store alike: the storage layer opens it and
+//! says what it can do; one open path, its header read through its backing), its strategy, its
+//! map and its hash; a slice's rows and spans of the data area in `ranges`, whole tensors (typed
+//! targets, new memory, map views) in `tensors`, whole files read for their digests in
+//! `digests`.
 
 use std::path::{Path, PathBuf};
 
@@ -22,7 +24,6 @@ use crate::read::strategy::{self, Strategy};
 
 mod digests;
 mod ranges;
-mod remote;
 mod tensors;
 
 pub use digests::hash_files;
@@ -73,37 +74,27 @@ impl Source {
         Self::open_with(path, &[])
     }
 
-    /// [`Source::open`] of a path or a URL (`s3://`, `gs://`, `az://`, `http(s)://`: see
-    /// `remote`), with the store's `storage_options` (ignored for paths).
+    /// [`Source::open`] of a path or a URL (`s3://`, `gs://`, `az://`, `http(s)://`, `hf://`),
+    /// with the store's `storage_options` (ignored for paths): opened by the storage layer
+    /// (`storage::open`), its prefix and header then read through its backing, on from
+    /// what the opening brought (an object's opening GET: often all of it).
     pub fn open_with(path: &Path, options: &crate::storage::remote::Options) -> Result<Source> {
-        if crate::storage::remote::is_url(path) {
-            return Self::open_remote(path, options);
-        }
-        let open_err = |source| Error::Open {
-            path: path.to_path_buf(),
-            source,
-        };
-        // A FIFO, a device or a directory is refused at once (a FIFO's open would wait for a
-        // writer for ever, `/dev/zero` has no end).
-        let file = platform::open_regular(path).map_err(open_err)?;
-        let file_len = file.metadata().map_err(open_err)?.len();
+        let mut opened = crate::storage::open(path, options)?;
         let header_err = |reason| Error::header(Some(path), reason);
-        let mut prefix = [0u8; 8];
-        let got = platform::read_fully_at(&file, &mut prefix, 0).map_err(open_err)?;
-        let json_len = header::header_len(&prefix[..got], file_len).map_err(header_err)?;
-        let mut head = vec![0u8; 8 + json_len as usize];
-        head[..8].copy_from_slice(&prefix);
-        let got = platform::read_fully_at(&file, &mut head[8..], 8).map_err(open_err)?;
-        if 8 + got < head.len() {
+        opened.read_start(path, 8)?;
+        let prefix = &opened.start[..opened.start.len().min(8)];
+        let json_len = header::header_len(prefix, opened.len).map_err(header_err)?;
+        let header_end = 8 + json_len as usize;
+        opened.read_start(path, header_end)?;
+        if opened.start.len() < header_end {
             return Err(header_err(header::HeaderError::InvalidHeaderLength));
         }
-        Source::new(
-            path,
-            FsKind::of(&file, path),
-            Backing::File(file),
-            file_len,
-            head,
-        )
+        // The opening GET may have brought some of the data too: the source keeps the prefix
+        // and header alone (what a digest of the file starts with).
+        let mut head = opened.start;
+        head.truncate(header_end);
+        head.shrink_to_fit();
+        Source::new(path, opened.kind, opened.backing, opened.len, head)
     }
 
     /// The source of a file of `file_len` bytes starting with `head` (its prefix and header),
@@ -158,6 +149,14 @@ impl Source {
             to: missing.to,
             len: self.file_len,
         })
+    }
+
+    /// The SHA-256 the file's store reported when it was opened, and which of its headers said
+    /// it (`hf://` and Hub `resolve` URLs: the Hub's `X-Linked-Etag` of an LFS or Xet file);
+    /// taken from the opening request's answer, never asked for again. None for a local file,
+    /// for stores that report none, and for a Hub file kept in git (its ETag is a git blob id).
+    pub fn reported_digest(&self) -> Option<(Digest, String)> {
+        (self.backing.reported_digest()).map(|(digest, from)| (digest, from.to_string()))
     }
 
     /// What the read plan needs to know of this file (`strategy::resolve`); `reads_bytes`:

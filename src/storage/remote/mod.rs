@@ -1,15 +1,21 @@
-//! Objects in object storage (`s3://`, `gs://`, `az://`/`abfs://`, `http(s)://`) as something a
-//! [`crate::read::source::Source`] reads from: ranged GETs through Apache Arrow's `object_store`.
+//! Objects in object storage (`s3://`, `gs://`, `az://`/`abfs://`, `http(s)://`, `hf://`) as
+//! something a [`crate::read::source::Source`] reads from: ranged GETs through Apache Arrow's
+//! `object_store`.
 //!
-//! Here: which paths are URLs (always built, so a build without the `remote` feature can say so);
-//! the stores and their runtime in `store` (AWS's shared profile files: `profile`), their HTTP client in `connector` (its proxies: `proxy`; its TLS: `tls`), one object's reads (retries, resumes) in `object`,
-//! checkpoints named by URL (index.json, "directory" listings) in `listing`, the SHA-256 a store
-//! reports of an object it opens (the Hub's) in `reported`.
+//! Here: which paths are URLs (always built, so a build without the `remote` feature can say
+//! so), an object opened ([`open`]) and a store as a place to list ([`place`]) for
+//! `storage::location`; the stores and their runtime in `store` (AWS's shared profile files:
+//! `profile`), their HTTP client in `connector` (its proxies: `proxy`; its TLS: `tls`), one
+//! object's reads (retries, resumes) in `object`, a store as a [`Place`] (index.json, "directory"
+//! listings, the Hub's tree) in `listing`, the SHA-256 a store reports of an object it opens
+//! (the Hub's) in `reported`.
 
 use std::path::Path;
 
 #[cfg(feature = "remote")]
 mod connector;
+#[cfg(feature = "remote")]
+mod listing;
 #[cfg(feature = "remote")]
 pub(crate) mod object;
 #[cfg(feature = "remote")]
@@ -26,6 +32,10 @@ mod tls;
 #[cfg(feature = "remote")]
 pub use object::Object;
 
+use super::location::Opened;
+use super::place::Place;
+use crate::error::Result;
+
 /// `storage_options`: (key, value) pairs, fsspec / obstore style, applied over the environment.
 pub type Options = [(String, String)];
 
@@ -41,6 +51,50 @@ pub fn unavailable(url: &Path) -> crate::error::Error {
         "{}: this build of safeload reads no object storage (cargo feature `remote`)",
         url.display()
     ))
+}
+
+/// The object at `url`, opened with one ranged GET of its start (see [`Object::open`]): the
+/// bytes it brought are the opened object's start. Errors by [`crate::error::Error::remote`].
+#[cfg(feature = "remote")]
+pub fn open(url: &Path, options: &Options) -> Result<Opened> {
+    let text = url.to_string_lossy();
+    let (object, start) =
+        Object::open(&text, options).map_err(|e| crate::error::Error::remote(url, e))?;
+    Ok(Opened {
+        kind: crate::platform::FsKind::Network(scheme_name(&text)),
+        len: object.size(),
+        backing: super::backing::Backing::Remote(object),
+        start,
+    })
+}
+
+#[cfg(not(feature = "remote"))]
+pub fn open(url: &Path, _: &Options) -> Result<Opened> {
+    Err(unavailable(url))
+}
+
+/// The store `url` names, with the caller's options, as a place to list and read a
+/// checkpoint's files.
+#[cfg(feature = "remote")]
+pub fn place<'a>(_url: &Path, options: &'a Options) -> Result<Box<dyn Place + 'a>> {
+    Ok(Box::new(listing::Store::new(options)))
+}
+
+#[cfg(not(feature = "remote"))]
+pub fn place<'a>(url: &Path, _: &'a Options) -> Result<Box<dyn Place + 'a>> {
+    Err(unavailable(url))
+}
+
+/// The storage name a URL's objects report (`f.stats.storage`).
+#[cfg(feature = "remote")]
+fn scheme_name(url: &str) -> &'static str {
+    match url.split_once("://").map(|(s, _)| s.to_ascii_lowercase()) {
+        Some(s) if s.starts_with("s3") => "s3",
+        Some(s) if s == "gs" => "gcs",
+        Some(s) if s.starts_with("http") => "http",
+        Some(s) if s == "hf" => "hf",
+        _ => "azure",
+    }
 }
 
 /// Why `name` (a file an index or a listing in a store gives, or the path of an `hf://` URL) is

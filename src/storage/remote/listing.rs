@@ -1,6 +1,7 @@
-//! Checkpoints named by URL, resolved by `files`' rule: an object store is a [`Place`] whose
-//! "directories" are prefixes (listed; not for http(s), which cannot list) and whose index is
-//! fetched whole.
+//! A store as a [`Place`] where a checkpoint's files are listed and read: its "directories" are
+//! prefixes (listed; not for http(s), which cannot list; the Hub's through its API), its index is
+//! fetched whole (at most [`INDEX_BYTES`]), the names its listings and indexes give are checked
+//! as its server will read them, and nothing the caller did not point at is requested.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -9,23 +10,28 @@ use futures_util::TryStreamExt;
 use object_store::ObjectStore;
 use object_store::path::Path as ObjectPath;
 
-use super::files::{self, INDEX_BYTES, Place};
+use super::object::{self, Object, to_io};
+use super::{Options, store};
 use crate::error::{Error, Result};
-use crate::storage::remote::object::{self, Object, to_io};
-use crate::storage::remote::{Options, store};
-
-/// The shard URLs of the checkpoint at `url`, in a stable order (as a local path resolves).
-pub fn checkpoint_urls(url: &Path, options: &Options) -> Result<Vec<PathBuf>> {
-    let url = url.to_string_lossy();
-    files::resolve(&Store { options }, Path::new(url.trim_end_matches('/')))
-}
+use crate::storage::place::{INDEX_BYTES, Place};
 
 /// An object store, reached with the caller's options.
-struct Store<'a> {
+pub struct Store<'a> {
     options: &'a Options,
 }
 
+impl<'a> Store<'a> {
+    pub fn new(options: &'a Options) -> Self {
+        Store { options }
+    }
+}
+
 impl Place for Store<'_> {
+    /// A prefix named with a trailing `/` is the prefix without it.
+    fn normal(&self, at: &Path) -> PathBuf {
+        PathBuf::from(at.to_string_lossy().trim_end_matches('/'))
+    }
+
     fn is_dir(&self, at: &Path) -> Result<bool> {
         let url = path_part(at);
         let http = url.starts_with("http://") || url.starts_with("https://");
@@ -79,6 +85,11 @@ impl Place for Store<'_> {
         let (path, query) = split_query(at);
         let base = path.rsplit_once('/').map_or(&*path, |(base, _)| base);
         PathBuf::from(format!("{base}{query}"))
+    }
+
+    /// Never: a `SHA256SUMS` beside the objects would be a request the caller did not point at.
+    fn may_look_beside(&self) -> bool {
+        false
     }
 }
 
@@ -156,8 +167,10 @@ mod tests {
 
     #[test]
     fn urls_join_with_slashes_on_every_platform() {
-        let store = Store { options: &[] };
+        let store = Store::new(&[]);
         let dir = Path::new("s3://b/dir");
+        assert_eq!(store.normal(Path::new("s3://b/dir/")), dir);
+        assert!(!store.may_look_beside());
         assert_eq!(
             store.join(dir, "m-1.safetensors"),
             PathBuf::from("s3://b/dir/m-1.safetensors")
