@@ -21,7 +21,7 @@ use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::read::buffer::TensorBytes;
-use crate::read::engine::{Report, Tally};
+use crate::read::engine::{ReadCounts, SharedTotals};
 use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
 use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy};
 
@@ -70,7 +70,7 @@ pub struct Checkpoint {
     /// Uncached reads were asked for and the filesystem refused them: reads are buffered since.
     direct_refused: AtomicBool,
     /// Every read so far, its read-aheads' and prefetches' included.
-    totals: Arc<Tally>,
+    totals: Arc<SharedTotals>,
     /// What each shard must hash to and the bytes held for them (`verify=`:
     /// [`Checkpoint::expect`]); empty when unpinned.
     pins: pinned::Pins,
@@ -296,7 +296,7 @@ impl Checkpoint {
 
     /// Where reads made for this checkpoint on other threads (read-aheads, prefetch loaders)
     /// count, so that its totals include them.
-    pub fn tally(&self) -> Arc<Tally> {
+    pub fn tally(&self) -> Arc<SharedTotals> {
         self.totals.clone()
     }
 
@@ -338,7 +338,7 @@ impl Checkpoint {
 
     /// What a read that executed `plan` did, counted in the totals; uncached reads it found
     /// refused are remembered for the plans after it.
-    fn record(&self, plan: Plan, report: &Report) -> ReadStats {
+    fn record(&self, plan: Plan, report: &ReadCounts) -> ReadStats {
         if report.direct_refused {
             self.direct_refused.store(true, Ordering::Relaxed);
         }
@@ -350,7 +350,7 @@ impl Checkpoint {
         stats
     }
 
-    fn stats(&self, backend: Strategy, report: &Report) -> ReadStats {
+    fn stats(&self, backend: Strategy, report: &ReadCounts) -> ReadStats {
         ReadStats {
             strategy: report.ran_with(backend),
             threads: report.threads,
@@ -376,12 +376,12 @@ impl Checkpoint {
         let purpose = self.purpose_of(selection, dtype);
         let plan = self.plan(purpose, selection.first().map_or(0, |(s, _)| *s));
         if self.is_pinned() {
-            let mut done = Report::default();
+            let mut done = ReadCounts::default();
             let out = self.read_pinned(selection, dtype, poll, &mut done);
             let stats = self.record(plan, &done);
             return Ok((out?, stats));
         }
-        let mut done = Report::default();
+        let mut done = ReadCounts::default();
         let out = self.read_whole(selection, purpose, dtype, poll, &mut done)?;
         Ok((out, self.record(plan, &done)))
     }
@@ -396,7 +396,7 @@ impl Checkpoint {
         purpose: Purpose,
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<Tensors> {
         let strategies = self.strategies(purpose, selection.iter().map(|(s, _)| *s));
         let (out, report) = source::read_or_map(
@@ -420,12 +420,12 @@ impl Checkpoint {
     ) -> Result<ReadStats> {
         let plan = self.plan(Purpose::Copies, targets.first().map_or(0, |t| t.source));
         if self.is_pinned() {
-            let mut done = Report::default();
+            let mut done = ReadCounts::default();
             let result = self.read_into_pinned(targets, poll, &mut done);
             let stats = self.record(plan, &done);
             return result.map(|()| stats);
         }
-        let mut done = Report::default();
+        let mut done = ReadCounts::default();
         self.read_targets(targets, poll, &mut done)?;
         Ok(self.record(plan, &done))
     }
@@ -435,7 +435,7 @@ impl Checkpoint {
         &self,
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<()> {
         let strategies = self.strategies(Purpose::Copies, targets.iter().map(|t| t.source));
         let sources = self.sources();
@@ -461,7 +461,7 @@ impl Checkpoint {
     ) -> Result<(TensorBytes, ReadStats)> {
         let how = self.plan(Purpose::Parts, shard);
         if self.pinned_shard(shard) {
-            let mut done = Report::default();
+            let mut done = ReadCounts::default();
             let part = self.slice_pinned(shard, info, plan, poll, &mut done);
             let stats = self.record(how, &done);
             return Ok((part?, stats));
@@ -482,7 +482,7 @@ impl Checkpoint {
         let plan = self.plan(Purpose::Copies, shard);
         let source = &self.shards[shard];
         if self.pinned_shard(shard) {
-            let mut done = Report::default();
+            let mut done = ReadCounts::default();
             let result = self.ranges_pinned(shard, ranges, poll, &mut done);
             let stats = self.record(plan, &done);
             return result.map(|()| stats);

@@ -26,7 +26,7 @@ use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::platform::FileIdentity;
 use crate::read::buffer::TensorBytes;
-use crate::read::engine::Report;
+use crate::read::engine::ReadCounts;
 use crate::read::source::{self, ReadOptions, Target, Tensors};
 use crate::read::strategy::Backend;
 use crate::read::strategy::Purpose;
@@ -188,7 +188,7 @@ impl Checkpoint {
         if !self.is_pinned() {
             return Ok(());
         }
-        let mut done = Report::default();
+        let mut done = ReadCounts::default();
         let mut all = || {
             for shard in (0..self.shards.len()).filter(|&s| self.pins.pinned(s)) {
                 let mut held = self.pins.held(shard);
@@ -209,7 +209,7 @@ impl Checkpoint {
         selection: &[Entry<'_>],
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<Tensors> {
         let mut shards: Vec<usize> = selection.iter().map(|(s, _)| *s).collect();
         shards.dedup();
@@ -263,7 +263,7 @@ impl Checkpoint {
         &self,
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<()> {
         source::check_fits(&self.sources(), &targets)?;
         let mut locks: Vec<Held<'_>> = (0..self.shards.len()).map(|s| self.pins.held(s)).collect();
@@ -292,7 +292,7 @@ impl Checkpoint {
         info: &TensorInfo,
         plan: &SlicePlan,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<TensorBytes> {
         let mut held = self.pins.held(shard);
         let index = self.index_in(shard, info);
@@ -306,7 +306,7 @@ impl Checkpoint {
         shard: usize,
         ranges: Vec<(u64, &mut [u8])>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<()> {
         let source = &self.shards[shard];
         let data_len = source.header.data_len();
@@ -358,7 +358,7 @@ impl Checkpoint {
         info: &TensorInfo,
         held: &mut Held<'_>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<TensorBytes> {
         let index = self.index_in(shard, info);
         self.present(shard, index, held, poll, done)?;
@@ -377,7 +377,7 @@ impl Checkpoint {
         index: usize,
         held: &'h mut Held<'_>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<&'h TensorBytes> {
         let missing = held.as_ref().is_none_or(|slots| slots[index].is_none());
         if missing {
@@ -395,7 +395,7 @@ impl Checkpoint {
         shard: usize,
         held: &mut Held<'_>,
         poll: &mut dyn FnMut() -> bool,
-        done: &mut Report,
+        done: &mut ReadCounts,
     ) -> Result<()> {
         if held.as_ref().is_some_and(|s| s.iter().all(Option::is_some)) {
             return Ok(());

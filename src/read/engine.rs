@@ -48,9 +48,15 @@ pub struct Settings {
     pub own_fds: bool,
 }
 
-/// What a read did, for stats and for telling the user which path ran.
+/// What reads moved, as the engine counts them: the bytes read from files, the seconds spent,
+/// the most workers one ran, and whether uncached reads were refused (and buffered reads used
+/// instead). One read's, or several added up ([`ReadCounts::add`]). The statistics types, one
+/// per layer: these counts (the engine); [`SharedTotals`] (a checkpoint's counts across
+/// threads); `checkpoint::ReadStats` (what a read or the totals did, with the strategy and
+/// storage callers are told); the binding's `Stats` and `StagingStats` (the same for Python, and
+/// a device staging ring's own figures).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Report {
+pub struct ReadCounts {
     pub bytes: u64,
     pub seconds: f64,
     pub threads: usize,
@@ -58,7 +64,7 @@ pub struct Report {
     pub direct_refused: bool,
 }
 
-impl Report {
+impl ReadCounts {
     /// The strategy a read asked to use `asked` ran with: pread where uncached reads were
     /// refused.
     pub fn ran_with(&self, asked: Strategy) -> Strategy {
@@ -69,7 +75,7 @@ impl Report {
     }
 
     /// Adds `other` in: bytes and seconds add up, the most workers either used.
-    pub fn add(&mut self, other: &Report) {
+    pub fn add(&mut self, other: &ReadCounts) {
         self.bytes += other.bytes;
         self.seconds += other.seconds;
         self.threads = self.threads.max(other.threads);
@@ -77,20 +83,19 @@ impl Report {
     }
 }
 
-/// Reads added up as they finish: bytes, seconds, the most workers one used, and the strategy
-/// of the latest that moved bytes (the first read's while none has). A checkpoint shares its
-/// tally with the read-aheads and prefetch loaders reading its files, so a handle's stats count
-/// every read made for it, whichever thread made it.
+/// A checkpoint's [`ReadCounts`] added up as its reads finish, on whichever thread (its
+/// read-aheads' and prefetch loaders' included, so a handle's stats count every read made for
+/// it), with the strategy of the latest read that moved bytes (the first read's while none has).
 #[derive(Debug, Default)]
-pub struct Tally(Mutex<(Report, Option<Strategy>)>);
+pub struct SharedTotals(Mutex<(ReadCounts, Option<Strategy>)>);
 
-impl Tally {
+impl SharedTotals {
     /// Counts one read that asked for `strategy`.
-    pub fn add(&self, strategy: Strategy, report: &Report) {
+    pub fn add(&self, strategy: Strategy, report: &ReadCounts) {
         let strategy = report.ran_with(strategy);
         let mut tally = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let (sum, latest) = &mut *tally;
-        sum.add(&Report {
+        sum.add(&ReadCounts {
             direct_refused: false,
             ..*report
         });
@@ -100,7 +105,7 @@ impl Tally {
     }
 
     /// The reads so far, and the strategy of the latest that moved bytes.
-    pub fn get(&self) -> (Report, Option<Strategy>) {
+    pub fn get(&self) -> (ReadCounts, Option<Strategy>) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -387,11 +392,11 @@ pub fn execute(
     plan: &Plan<'_>,
     settings: Settings,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<Report> {
+) -> Result<ReadCounts> {
     let started = Instant::now();
     let threads = settings.threads.max(1).min(plan.chunks.len().max(1));
     let direct_refused = AtomicBool::new(false);
-    let report = |threads| Report {
+    let report = |threads| ReadCounts {
         bytes: plan.total_bytes(),
         seconds: started.elapsed().as_secs_f64(),
         threads,

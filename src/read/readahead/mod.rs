@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::format::header::TensorInfo;
 use crate::platform;
 use crate::read::buffer::{Fresh, TensorBytes};
-use crate::read::engine::Tally;
+use crate::read::engine::SharedTotals;
 use crate::read::source::{self, ReadOptions, Source};
 pub use crate::read::strategy::Mode;
 use crate::read::strategy::Strategy;
@@ -52,7 +52,11 @@ mod worker;
 /// of them instead of faulting each window in, so it reads each shard as fast as `load_file` of
 /// that shard does. The walk ends on its own at the last shard; `SAFELOAD_READAHEAD_BYTES=0`
 /// turns it off, as it turns off every read-ahead.
-pub fn populate_in_background(sources: Vec<Arc<Source>>, tally: Arc<Tally>, opts: ReadOptions) {
+pub fn populate_in_background(
+    sources: Vec<Arc<Source>>,
+    tally: Arc<SharedTotals>,
+    opts: ReadOptions,
+) {
     let budget = budget_from_env();
     if budget == 0 || sources.is_empty() {
         return;
@@ -131,7 +135,7 @@ struct State {
 struct Shared {
     source: Arc<Source>,
     /// Where every read counts (the checkpoint's: its handle's stats include them).
-    tally: Arc<Tally>,
+    tally: Arc<SharedTotals>,
     /// What is read ahead, in file order: the file's tensors, or a plan's (parts of) tensors.
     items: Vec<TensorInfo>,
     mode: Mode,
@@ -186,7 +190,7 @@ impl ReadAhead {
     /// (page cache: [`PAGE_CACHE_FACTOR`] times it). Starts nothing until the first request.
     pub fn new(
         source: Arc<Source>,
-        tally: Arc<Tally>,
+        tally: Arc<SharedTotals>,
         mode: Mode,
         opts: ReadOptions,
         budget: u64,
@@ -210,7 +214,7 @@ impl ReadAhead {
     /// of a map whose pages are resident): no worker runs and every take maps its own view.
     pub fn eager(
         source: Arc<Source>,
-        tally: Arc<Tally>,
+        tally: Arc<SharedTotals>,
         items: Vec<TensorInfo>,
         mode: Option<Mode>,
         opts: ReadOptions,
@@ -232,7 +236,7 @@ impl ReadAhead {
 
     /// The read-ahead of `items` in `mode`, reading ahead only where `populate` says.
     fn build(
-        (source, tally): (Arc<Source>, Arc<Tally>),
+        (source, tally): (Arc<Source>, Arc<SharedTotals>),
         items: Vec<TensorInfo>,
         (mode, populate): (Mode, bool),
         opts: ReadOptions,
@@ -619,7 +623,7 @@ mod tests {
         let items = source.header.tensors.clone();
         // A window as large as the file: every request, backwards, waits for the walk (none is
         // read on demand, which would return None here).
-        let tally = Arc::new(Tally::default());
+        let tally = Arc::new(SharedTotals::default());
         let ahead = ReadAhead::eager(
             source.clone(),
             tally.clone(),

@@ -195,7 +195,7 @@ impl Shared {
         infos: &[&TensorInfo],
         mut dests: Vec<Fresh>,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(Vec<TensorBytes>, engine::Report)> {
+    ) -> Result<(Vec<TensorBytes>, engine::ReadCounts)> {
         let source = &*self.source;
         let targets = infos
             .iter()
@@ -250,7 +250,7 @@ impl Shared {
         &self,
         infos: &[&TensorInfo],
         dests: Vec<Option<Fresh>>,
-    ) -> Result<(Vec<Option<TensorBytes>>, engine::Report)> {
+    ) -> Result<(Vec<Option<TensorBytes>>, engine::ReadCounts)> {
         let source = &*self.source;
         match self.mode {
             Mode::Provided => {
@@ -281,7 +281,7 @@ impl Shared {
                 }
                 Ok((
                     infos.iter().map(|_| None).collect(),
-                    engine::Report::default(),
+                    engine::ReadCounts::default(),
                 ))
             }
         }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 use crate::format::digest::Digest;
 use crate::read::buffer;
-use crate::read::engine::Report;
+use crate::read::engine::ReadCounts;
 use crate::read::plan::Plan;
 use crate::read::strategy::{self, Backend, Purpose, Strategy};
 
@@ -26,7 +26,7 @@ pub fn hash_files(
     store: &crate::storage::remote::Options,
     max_bytes: u64,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Vec<Digest>, Report)> {
+) -> Result<(Vec<Digest>, ReadCounts)> {
     let opts = ReadOptions {
         hash: true,
         ..*opts
@@ -61,7 +61,7 @@ fn hash_sources(
     opts: &ReadOptions,
     max_bytes: u64,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Vec<Digest>, Report)> {
+) -> Result<(Vec<Digest>, ReadCounts)> {
     debug_assert!(opts.hash, "hash_files asks the reads to hash");
     sources.iter().for_each(|s| s.start_hash());
     let data: Vec<u64> = sources.iter().map(|s| s.header.data_len()).collect();
@@ -76,7 +76,7 @@ fn hash_sources(
     // every worker hashing until the end.
     let side_by_side = (room as usize / chunk).clamp(1, sources.len().max(1));
     let mut done = vec![0u64; sources.len()];
-    let mut report = Report::default();
+    let mut report = ReadCounts::default();
     loop {
         let unread = (0..sources.len()).filter(|&i| done[i] < data[i]);
         let round: Vec<usize> = unread.take(side_by_side).collect();

@@ -349,7 +349,7 @@ fn execute(
     strategies: &[Strategy],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<engine::Report> {
+) -> Result<engine::ReadCounts> {
     let inputs: Vec<Input<'_>> = (sources.iter().zip(strategies))
         .map(|(s, strategy)| s.input(*strategy, opts))
         .collect();

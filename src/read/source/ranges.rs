@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::read::buffer::{self, TensorBytes};
-use crate::read::engine::Report;
+use crate::read::engine::ReadCounts;
 use crate::read::plan::Plan;
 use crate::read::strategy::Strategy;
 
@@ -28,10 +28,10 @@ impl Source {
         strategy: Strategy,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(TensorBytes, Report)> {
+    ) -> Result<(TensorBytes, ReadCounts)> {
         if strategy == Strategy::Mmap {
             let part = buffer::cut(plan, &self.map_tensor(info)?)?;
-            return Ok((part, Report::default()));
+            return Ok((part, ReadCounts::default()));
         }
         let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
@@ -115,7 +115,7 @@ pub fn read_data_ranges(
     strategy: Strategy,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<Report> {
+) -> Result<ReadCounts> {
     let data_len = source.header.data_len();
     for (offset, dest) in &ranges {
         let len = dest.len();

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::read::buffer::{self, Fresh, TensorBytes};
-use crate::read::engine::Report;
+use crate::read::engine::ReadCounts;
 use crate::read::plan::Plan;
 use crate::read::strategy::Strategy;
 
@@ -63,7 +63,7 @@ pub fn read_targets(
     strategies: &[Strategy],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<Report> {
+) -> Result<ReadCounts> {
     check_fits(sources, &targets)?;
     let mut targets = targets;
     targets.sort_by_key(|t| (t.source, t.info.begin));
@@ -92,7 +92,7 @@ fn read_tensors(
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Tensors, Report)> {
+) -> Result<(Tensors, ReadCounts)> {
     let dtypes: Vec<Dtype> = wanted
         .iter()
         .map(|(_, t)| crate::format::convert::read_as(t.dtype, dtype))
@@ -156,7 +156,7 @@ pub fn read_or_map(
     dtype: Option<Dtype>,
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Tensors, Report)> {
+) -> Result<(Tensors, ReadCounts)> {
     let (mapped, read): (Vec<usize>, Vec<usize>) =
         (0..wanted.len()).partition(|&i| strategies[wanted[i].0] == Strategy::Mmap);
     if mapped.is_empty() {
@@ -164,7 +164,7 @@ pub fn read_or_map(
     }
     let pick = |at: &[usize]| at.iter().map(|&i| wanted[i]).collect::<Vec<_>>();
     let mut out: Vec<Option<(TensorBytes, Dtype)>> = vec![None; wanted.len()];
-    let mut report = Report::default();
+    let mut report = ReadCounts::default();
     if !read.is_empty() {
         let (bytes, done) = read_tensors(sources, &pick(&read), strategies, dtype, opts, poll)?;
         report = done;
