@@ -22,6 +22,7 @@ import safetensors.torch
 import safeload
 import safeload._open
 import safeload.torch
+from safeload._safeload import OpenOptions
 
 patch_module = sys.modules["safeload.patch"]  # `safeload.patch` is the function
 
@@ -60,9 +61,12 @@ def handle_spy(monkeypatch) -> List[str]:
     calls: List[str] = []
     real = safeload._open.Handle
 
-    def spy(path: Any, backend: Any = None, **kwargs: Any) -> Any:
-        calls.append("auto" if backend is None else backend)  # None: the reader's default, "auto"
-        return real(path, backend, **kwargs)
+    def spy(path: Any, options: Any = None, **kwargs: Any) -> Any:
+        # safe_open passes one OpenOptions (its backend: "auto" when none was named); a backend's
+        # name or None (the reader's default, "auto") where a caller names one.
+        backend = options.backend if isinstance(options, OpenOptions) else options
+        calls.append("auto" if backend is None else backend)
+        return real(path, options, **kwargs)
 
     monkeypatch.setattr(safeload._open, "Handle", spy)
     return calls
