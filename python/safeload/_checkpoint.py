@@ -4,30 +4,14 @@ one worker pool so shards overlap; or streamed tensor by tensor with bounded mem
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import _device, _logging, _staging
-from ._frameworks import CONVERTERS, FRAMEWORKS, dtype_code, gc_paused, torch_read_many
-from ._safeload import Checkpoint, SafetensorError
+from ._frameworks import dtype_code, gc_paused, torch_read_many
+from ._options import open_options
+from ._safeload import Checkpoint
 
 Progress = Callable[[int, int], None]
-
-
-def _converter(framework: str, device: Any) -> Tuple[Callable[[str, str, List[int], Any], Any], Any]:
-    """The per-tensor converter for a framework and device, and the torch.device it targets
-    (None for the CPU). The device is checked here, once, before any read."""
-    try:
-        name = FRAMEWORKS[framework]
-    except KeyError:
-        raise SafetensorError(f"framework {framework} is invalid") from None
-    convert = CONVERTERS[name]
-    parsed = _device.parse(device)
-    if parsed == "cpu":
-        return (lambda n, code, shape, data: convert(code, shape, data, n)), None
-    if name != "pytorch":
-        raise SafetensorError(f"Device {parsed} is not supported for framework {name}")
-    target = _device.torch_device(parsed)
-    return (lambda n, code, shape, data: convert(code, shape, data, n).to(target)), target
 
 
 def load_checkpoint(
@@ -39,32 +23,30 @@ def load_checkpoint(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
-    progress: Any = None,
-    return_stats: bool = False,
-    dtype: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
     verify: Any = None,
     verify_cache: Any = None,
+    progress: Any = None,
+    return_stats: bool = False,
+    dtype: Any = None,
 ) -> Any:
     """One state dict from every shard, read through one worker pool.
 
-    ``verify``: each shard's SHA-256 is computed in the same pass as its read and checked before
-    anything of it is returned: a ``{name: digest}`` mapping (names relative to the directory or
-    the index's folder; a file's bare name), a ``sha256sum`` manifest's path, or True (the
-    Hugging Face cache's blob names, the Hub's reported digests, a ``SHA256SUMS`` beside the
-    files); None: ``$SAFELOAD_VERIFY`` decides; False: off. ``verify_cache``: the verified
-    record's directory (``$SAFELOAD_VERIFY_CACHE``; see :class:`safeload.safe_open`). See
-    docs/verification.md.
+    backend, threads, chunk_bytes, drop_cache, storage_options, verify, verify_cache: the reader's
+    options (see :class:`safeload._options.Options`). Under ``verify``, each shard's
+    SHA-256 is computed in the same pass as its read and checked before anything of it is
+    returned.
 
     ``dtype`` (torch.float32/float16/bfloat16) converts the floating-point tensors on the way.
 
     ``progress``: a callable ``(bytes_done, bytes_total)``, True for a tqdm bar (streams in
     batches to report), False for none; by default a bar is shown for multi-shard checkpoints
     when tqdm is installed and stderr is a terminal. ``return_stats``: also return a
-    :class:`Stats`. ``storage_options``: see :func:`safeload.safe_open`."""
-    convert, target = _converter(framework, device)
-    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                      storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+    :class:`Stats`."""
+    where = _device.target(framework, device)  # before anything is opened
+    ckpt = Checkpoint(path_or_paths, open_options(backend=backend, threads=threads, chunk_bytes=chunk_bytes,
+                                                  drop_cache=drop_cache, storage_options=storage_options,
+                                                  verify=verify, verify_cache=verify_cache))
     paths = ckpt.paths
     if progress is None:
         progress = _wants_bar(paths) or None
@@ -72,20 +54,19 @@ def load_checkpoint(
         progress = None
     out: Dict[str, Any] = {}
     try:
-        if target is not None:  # accelerator: every shard through one staging ring
+        if where.torch is not None:  # accelerator: every shard through one staging ring
             callback = _progress_callback(progress) if progress is not None else None
-            out = _staging.load_checkpoint_to_device(ckpt, target, progress=callback, dtype=dtype)
+            out = _staging.load_checkpoint_to_device(ckpt, where.torch, progress=callback, dtype=dtype)
         elif progress is not None and dtype is None:  # in batches, to report
-            for name, tensor in _stream(ckpt, convert, None, _progress_callback(progress)):
+            for name, tensor in _stream(ckpt, where, None, _progress_callback(progress)):
                 out[name] = tensor
         else:  # one read (or maps, when "auto" maps)
             with gc_paused():
-                if FRAMEWORKS[framework] == "pytorch":
+                if where.framework == "pytorch":
                     out = torch_read_many(ckpt, dtype_code(dtype))
                 else:
                     items, _ = ckpt.read(dtype=dtype_code(dtype))
-                    for name, code, shape, data in items:
-                        out[name] = convert(name, code, shape, data)
+                    out = where.many(items)
         stats = ckpt.stats()
         checked = ckpt.pinned()
     finally:
@@ -135,24 +116,24 @@ def iter_checkpoint(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     drop_cache: bool = False,
-    progress: Any = None,
     storage_options: Optional[Dict[str, Any]] = None,
     verify: Any = None,
     verify_cache: Any = None,
+    progress: Any = None,
 ) -> Iterator[Tuple[str, Any]]:
     """Yields ``(name, tensor)`` in file order, reading batches of at most ``max_inflight_bytes``
     (a tensor larger than that is read alone), so a checkpoint larger than memory can be copied
-    into a model tensor by tensor.
+    into a model tensor by tensor. The reader's options: as :func:`load_checkpoint` takes them.
 
-    ``verify`` (see :func:`load_checkpoint`): no tensor of a shard is yielded before the whole
-    shard hashed right, so a shard larger than a batch is read whole first and its tensors are
-    yielded from those bytes: memory in flight is then up to one shard."""
-    convert, _ = _converter(framework, device)
-    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes,
-                      drop_cache=drop_cache, storage_options=storage_options, verify=verify,
-                      verify_cache=verify_cache)
+    ``verify``: no tensor of a shard is yielded before the whole shard hashed right, so a shard
+    larger than a batch is read whole first and its tensors are yielded from those bytes: memory
+    in flight is then up to one shard."""
+    where = _device.target(framework, device)
+    ckpt = Checkpoint(path_or_paths, open_options(backend=backend, threads=threads, chunk_bytes=chunk_bytes,
+                                                  drop_cache=drop_cache, storage_options=storage_options,
+                                                  verify=verify, verify_cache=verify_cache))
     try:
-        yield from _stream(ckpt, convert, max_inflight_bytes, _progress_callback(progress))
+        yield from _stream(ckpt, where, max_inflight_bytes, _progress_callback(progress))
         _logging.log_read(ckpt.paths, ckpt.stats(), "iter_checkpoint")
         _logging.log_verified(ckpt.pinned())
     finally:
@@ -161,7 +142,7 @@ def iter_checkpoint(
 
 def _stream(
     ckpt: Any,
-    convert: Callable[[str, str, List[int], Any], Any],
+    where: _device.Target,
     max_inflight_bytes: Optional[int],
     progress: Optional[Progress],
 ) -> Iterator[Tuple[str, Any]]:
@@ -172,6 +153,6 @@ def _stream(
     with ckpt.stream(max_inflight_bytes=max_inflight_bytes) as batches:
         for items in batches:
             for name, code, shape, data in items:
-                yield name, convert(name, code, shape, data)
+                yield name, where.tensor(code, shape, data, name)
             if progress is not None:
                 progress(*batches.progress())

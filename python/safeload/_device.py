@@ -1,13 +1,15 @@
 """Device arguments: every form safetensors 0.8 accepts, plus ``torch.device`` objects.
 
 Devices are checked against torch before any byte is read, so a device torch does not have
-fails at ``safe_open`` with a clear message instead of half way through a load.
+fails at ``safe_open`` with a clear message instead of half way through a load. Which framework
+may go to which device is decided once, by :func:`target`, for ``safe_open`` and every loader.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Dict, List, NamedTuple
 
+from ._frameworks import converters, framework_name
 from ._safeload import SafetensorError
 
 _INDEXED = ("cuda", "musa", "npu", "xpu", "xla", "mlu", "hpu")
@@ -73,3 +75,33 @@ def torch_device(name: str) -> Any:
                 f"device {name} is not available: torch sees {count} {kind} device(s)"
             )
     return torch.device(name)
+
+
+class Target(NamedTuple):
+    """Where a load's tensors go: the framework (its own name), the device (parsed), the
+    ``torch.device`` torch's tensors go to through the staging ring or ``.to`` (None: they stay on
+    the CPU, or the framework places them itself), and the converters of the reader's
+    ``(code, shape, bytes, name)``: one tensor's (``convert``) and a list's (``many``)."""
+
+    framework: str
+    device: str
+    torch: Any
+    convert: Callable[..., Any]
+    many: Callable[..., Dict[str, Any]]
+
+    def tensor(self, code: str, shape: List[int], data: Any, name: str = "") -> Any:
+        """One tensor, on the device."""
+        tensor = self.convert(code, shape, data, name)
+        return tensor if self.torch is None else tensor.to(self.torch)
+
+
+def target(framework: Any, device: Any) -> Target:
+    """The one rule of safetensors 0.8 for a framework and a device: the CPU for every framework;
+    another device for torch (checked against torch here) and for paddle (which makes its tensors
+    there, "gpu:N" for "cuda:N"); for the rest ``Device X is not supported for framework Y``."""
+    name = framework_name(framework)
+    parsed = parse(device)
+    if parsed != "cpu" and name not in ("pytorch", "paddle"):
+        raise SafetensorError(f"Device {parsed} is not supported for framework {name}")
+    on_torch = torch_device(parsed) if parsed != "cpu" and name == "pytorch" else None
+    return Target(name, parsed, on_torch, *converters(name, parsed))

@@ -249,13 +249,28 @@ def _many(convert: Callable[..., Any]) -> Callable[..., Dict[str, Any]]:
     return lambda items: {name: convert(code, shape, data, name) for name, code, shape, data in items}
 
 
+def _to_paddle(place: Any) -> Callable[..., Any]:
+    """paddle tensors made on ``place``, as safetensors 0.8 makes them: ``paddle.to_tensor(array,
+    place=...)``, the place named always ("cpu" too: paddle's default may be a GPU)."""
+    return _from_numpy("paddle", lambda paddle, a: paddle.to_tensor(a, place=place))
+
+
+def paddle_place(device: str) -> Any:
+    """A parsed device (``_device.parse``) as 0.8 names it to paddle: "gpu:N" for "cuda:N", an
+    int for a bare index, the name otherwise."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        return f"gpu:{index}"
+    return int(device) if device.isdigit() else device
+
+
 CONVERTERS: Dict[str, Callable[..., Any]] = {
     "pytorch": to_torch,
     "numpy": to_numpy,
     "tensorflow": _from_numpy("tensorflow", lambda tf, a: tf.convert_to_tensor(a)),
     "flax": _from_numpy("jax.numpy", lambda jnp, a: jnp.array(a)),
     "mlx": _from_numpy("mlx.core", lambda mx, a: mx.array(a)),
-    "paddle": _from_numpy("paddle", lambda paddle, a: paddle.to_tensor(a)),
+    "paddle": _to_paddle("cpu"),
 }
 
 #: Batch converters: a list of (name, code, shape, bytes) -> dict name -> tensor.
@@ -263,6 +278,27 @@ MANY: Dict[str, Callable[..., Dict[str, Any]]] = {
     name: {"pytorch": torch_many, "numpy": numpy_many}.get(name) or _many(convert)
     for name, convert in CONVERTERS.items()
 }
+
+
+def framework_name(framework: Any) -> str:
+    """The framework's own name ("pytorch", "numpy", ...) for any name 0.8 takes for it;
+    another str is a ``SafetensorError``, anything else a ``TypeError``, as 0.8 raises them."""
+    if not isinstance(framework, str):
+        raise TypeError(f"argument 'framework': {type(framework).__name__!r} object is not a str")
+    try:
+        return FRAMEWORKS[framework]
+    except KeyError:
+        raise SafetensorError(f"framework {framework} is invalid") from None
+
+
+def converters(framework: str, device: str) -> Tuple[Callable[..., Any], Callable[..., Dict[str, Any]]]:
+    """One tensor's and many tensors' converter of ``framework`` (its own name) for a parsed
+    ``device``: paddle makes its tensors there itself; every other framework's are made on the
+    CPU (torch's are moved by the caller, through the staging ring or ``.to``)."""
+    if framework == "paddle" and device != "cpu":
+        one = _to_paddle(paddle_place(device))
+        return one, _many(one)
+    return CONVERTERS[framework], MANY[framework]
 
 
 # torch dtype name -> format code, for the dtypes the reader converts between.

@@ -11,17 +11,20 @@ converts as torch does), tensors on a device, and tensors that share memory with
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _logging
 from ._frameworks import gc_paused, torch_many, torch_shape
-from ._open import DEFAULT_BACKEND
+from ._options import Options, open_options
 from ._stats import Stats
-from ._safeload import Checkpoint, SafetensorError
+from ._safeload import Checkpoint, OpenOptions, SafetensorError
 from ._shared import _remove_duplicate_names, account_removed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 _strided = torch.strided
 
@@ -29,18 +32,18 @@ _strided = torch.strided
 COPY_BATCH_BYTES = 256 << 20
 
 
-def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: Optional[str] = DEFAULT_BACKEND,
-              threads: Optional[int] = None, chunk_bytes: Optional[int] = None,
-              drop_cache: bool = False, storage_options: Optional[Dict[str, Any]] = None,
-              verify: Any = None, verify_cache: Any = None) -> Stats:
+def load_into(tensors: Dict[str, Any], path_or_paths: Any, *, backend: Optional[str] = None,
+              threads: Optional[int] = None, chunk_bytes: Optional[int] = None, drop_cache: bool = False,
+              storage_options: Optional[Dict[str, Any]] = None, verify: Any = None, verify_cache: Any = None) -> Stats:
     """Reads each named tensor of a checkpoint (a file, shards, a directory or an index.json)
     into the given tensor, in place. Every name must be in the checkpoint and every shape must
-    match (checked before anything is read). ``verify`` (see
-    :func:`safeload.torch.load_checkpoint`): every shard is read whole and hashed into memory of
-    the reader's own before the first byte is copied into a tensor, so a mismatch leaves them
-    untouched. Returns the read's :class:`Stats`."""
-    ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                      storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+    match (checked before anything is read). The reader's options: see
+    :class:`safeload._options.Options`; under ``verify``, every shard is read whole and hashed
+    into memory of the reader's own before the first byte is copied into a tensor, so a mismatch
+    leaves them untouched. Returns the read's :class:`Stats`."""
+    ckpt = Checkpoint(path_or_paths, open_options(backend=backend, threads=threads, chunk_bytes=chunk_bytes,
+                                                  drop_cache=drop_cache, storage_options=storage_options,
+                                                  verify=verify, verify_cache=verify_cache))
     try:
         stats = _read_into(ckpt, tensors)
         _logging.log_read(ckpt.paths, stats, "load_into")
@@ -91,20 +94,20 @@ def _custom_loading(model: Any) -> bool:
     return bool(getattr(model, "_state_dict_pre_hooks", None))
 
 
-def load_model_into(model: Any, path_or_paths: Any, strict: bool, *, backend: Optional[str] = DEFAULT_BACKEND,
-                    **kwargs: Any) -> Optional[Tuple[Any, List[str]]]:
+def load_model_into(model: Any, path_or_paths: Any, strict: bool,
+                    **options: Unpack[Options]) -> Optional[Tuple[Any, List[str]]]:
     """safetensors' ``load_model`` semantics, reading straight into the model's tensors.
     Returns (missing, unexpected), or None when the model loads its state its own way (the
     caller then goes through ``load_state_dict``)."""
     with gc_paused():  # a model of 20,000 tensors: two full collections of 70-130 ms each
         if _custom_loading(model):
             return None
-        return _load_model_into(model, path_or_paths, backend, **kwargs)
+        return _load_model_into(model, path_or_paths, open_options(**options))
 
 
-def _load_model_into(model: Any, path_or_paths: Any, backend: Optional[str], **kwargs: Any) -> Tuple[Any, List[str]]:
+def _load_model_into(model: Any, path_or_paths: Any, options: OpenOptions) -> Tuple[Any, List[str]]:
     state = model.state_dict()
-    ckpt = Checkpoint(path_or_paths, backend, **kwargs)
+    ckpt = Checkpoint(path_or_paths, options)
     try:
         infos = {i.name: (i.dtype, i.shape) for i in ckpt.infos()}
         to_removes = _remove_duplicate_names(state, preferred_names=list(infos))

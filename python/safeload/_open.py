@@ -6,22 +6,13 @@ import os
 from typing import Any, Dict, List, Optional
 
 from . import _device, _logging, _mps, _prefetch, _staging
-from ._frameworks import (CONVERTERS, FRAMEWORKS, MANY, dtype_code, gc_paused, to_dtype, torch_importer,
-                          torch_read_many)
-from ._safeload import Handle, Importer, SafetensorError
+from ._frameworks import dtype_code, framework_name, gc_paused, to_dtype, torch_importer, torch_read_many
+from ._options import open_options
+from ._safeload import Handle, Importer
 from ._stats import Stats
 
 #: No backend named: the reader's default ("auto", or ``$SAFELOAD_BACKEND``), decided in Rust.
 DEFAULT_BACKEND = None
-
-
-def _framework(framework: Any) -> str:
-    if not isinstance(framework, str):
-        raise TypeError(f"argument 'framework': {type(framework).__name__!r} object is not a str")
-    try:
-        return FRAMEWORKS[framework]
-    except KeyError:
-        raise SafetensorError(f"framework {framework} is invalid") from None
 
 
 class safe_open:
@@ -31,21 +22,9 @@ class safe_open:
         filename: ``str`` or ``os.PathLike``.
         framework: ``"pt"``, ``"np"``, ``"tf"``, ``"flax"``, ``"mlx"`` or ``"paddle"``.
         device: ``"cpu"`` (default), ``"cuda:N"``, ``"mps"``, an int, or a ``torch.device``.
-        backend: ``"auto"`` (the default, when None: chosen per file from the filesystem and the page cache),
-            ``"pread"`` (parallel reader), ``"direct"`` (O_DIRECT, around the page cache), or
-            ``"mmap"`` (zero-copy private mappings, as safetensors' default).
-            ``$SAFELOAD_BACKEND`` replaces the default.
-        threads, chunk_bytes: tuning of the parallel reader.
-        drop_cache: drop the file's pages from the page cache after each read.
-        storage_options: for URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``), the store's
-            settings over the environment's (fsspec / obstore keys; see docs/object-storage.md).
-        verify: the file's SHA-256, checked at open: ``{file name: digest}``, a ``sha256sum``
-            manifest's path, or True (the digests the source knows). The file is read whole and
-            hashed here, and every tensor is served from those bytes. None: ``$SAFELOAD_VERIFY``
-            decides; False: off. See docs/verification.md.
-        verify_cache: a directory for the verified record (``$SAFELOAD_VERIFY_CACHE``): a file
-            that hashed right is remembered with its identity, and a later load of it unchanged
-            skips the hash. See docs/verification.md.
+        backend, threads, chunk_bytes, drop_cache, storage_options, verify, verify_cache: the
+            reader's options; see :class:`safeload._options.Options`. Under ``verify``, the
+            file is read whole and hashed here, and every tensor is served from those bytes.
     """
 
     def __init__(
@@ -66,31 +45,21 @@ class safe_open:
             raise TypeError(
                 f"argument 'filename': expected str or os.PathLike, got {type(filename).__name__}"
             )
-        self._framework = _framework(framework)
+        self._framework = framework_name(framework)
         # Slicing bounds: torch's (clamped stops; IndexError for ints out of range) under "pt",
         # 0.8's strict rule under numpy and the rest (its own tests pin it).
         self._bounds = "clamp" if self._framework == "pytorch" else "strict"
-        device_name = _device.parse(device)
-        self._handle = Handle(
-            os.fspath(filename),
-            backend,
-            threads=threads,
-            chunk_bytes=chunk_bytes,
-            drop_cache=drop_cache,
-            storage_options=storage_options,
-            verify=verify,
-            verify_cache=verify_cache,
-        )
+        _device.parse(device)  # an invalid device before the file, as 0.8
+        options = open_options(backend=backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                               storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+        self._handle = Handle(os.fspath(filename), options)
         _logging.log_verified(self._handle.pinned())
-        if device_name != "cpu" and self._framework not in ("pytorch", "paddle"):
+        try:  # after the file, as 0.8: a missing file is a FileNotFoundError whatever the device
+            self._target = _device.target(self._framework, device)
+        except BaseException:
             self._handle.close()
-            raise SafetensorError(
-                f"Device {device_name} is not supported for framework {self._framework}"
-            )
-        self._device: Any = None
-        if device_name != "cpu" and self._framework == "pytorch":
-            self._device = _device.torch_device(device_name)
-        self._convert = CONVERTERS[self._framework]
+            raise
+        self._device: Any = self._target.torch
         #: What this handle's latest staged load to its device did (``StagingStats``), or None.
         self.staging_stats: Any = None
 
@@ -130,10 +99,7 @@ class safe_open:
     # -- tensors --------------------------------------------------------------------------
 
     def _tensor(self, name: str, code: str, shape: List[int], data: Any) -> Any:
-        tensor = self._convert(code, shape, data, name)
-        if self._device is not None:
-            tensor = tensor.to(self._device)
-        return tensor
+        return self._target.tensor(code, shape, data, name)
 
     def get_tensor(self, name: str) -> Any:
         """Reads one tensor into memory it owns."""
@@ -176,7 +142,7 @@ class safe_open:
             if self._framework == "pytorch":
                 tensors = torch_read_many(self._handle, code)
             else:
-                tensors = MANY[self._framework](self._handle.read_many(dtype=code))
+                tensors = self._target.many(self._handle.read_many(dtype=code))
         _logging.log_read(self._handle.path, self, "get_tensors")
         return tensors
 
@@ -200,8 +166,8 @@ class safe_open:
         (``$SAFELOAD_PREFETCH_BYTES``, default 4 GiB; 1 GiB of pinned staging for CUDA).
         ``threads``: the reader's workers; None (upstream's default is 8) picks them from the
         cores and the storage, as every read does."""
-        return _prefetch.start(self._handle, self._convert, self._device, plan, device, threads,
-                               budget_bytes)
+        where = self._target if device is None else _device.target(self._framework, device)
+        return _prefetch.start(self._handle, where.convert, where.torch, plan, threads, budget_bytes)
 
     def get_slice(self, name: str) -> "SafeSlice":
         """A lazy view of a tensor; index it to read only the bytes needed."""

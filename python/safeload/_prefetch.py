@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from . import _device, _mps
+from . import _mps
 from ._frameworks import to_torch, torch_dtype, torch_importer, torch_shape
 from ._safeload import Prefetch
 
@@ -139,14 +139,11 @@ class PrefetchLoader:
         return f"PrefetchLoader({state}, budget_bytes={self.budget_bytes})"
 
 
-def start(handle: Any, convert: Callable[..., Any], handle_device: Any, plan: Optional[PrefetchPlan],
-          device: Any, threads: Optional[int], budget_bytes: Optional[int]) -> PrefetchLoader:
-    """``safe_open.prefetch``: the loader of ``plan`` onto ``device`` (the handle's when None)."""
-    if device is None:
-        target = handle_device
-    else:
-        name = _device.parse(device)
-        target = None if name == "cpu" else _device.torch_device(name)  # type: ignore[arg-type]
+def start(handle: Any, convert: Callable[..., Any], target: Any, plan: Optional[PrefetchPlan],
+          threads: Optional[int], budget_bytes: Optional[int]) -> PrefetchLoader:
+    """``safe_open.prefetch``: the loader of ``plan``, its tensors made by ``convert`` and moved
+    to the ``torch.device`` ``target`` (None: where ``convert`` makes them); see
+    ``_device.target``."""
     allocate: Optional[Allocate] = None
     staged = False
     if target is not None and target.type == "mps":

@@ -16,6 +16,7 @@ __all__ = [
     "Fill",
     "Handle",
     "Importer",
+    "OpenOptions",
     "Prefetch",
     "SafetensorError",
     "Share",
@@ -96,19 +97,33 @@ class Bytes:
 _TensorTuple = Tuple[str, str, List[int], Bytes]
 
 @final
+class OpenOptions:
+    """The options of one open (safeload._options.Options), checked; the reader's defaults fill
+    what is not given."""
+
+    def __new__(
+        cls,
+        *,
+        backend: Optional[str] = None,
+        threads: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+        drop_cache: bool = False,
+        storage_options: Optional[Dict[str, Any]] = None,
+        verify: Union[None, bool, Dict[str, str], str, os.PathLike[str]] = None,
+        verify_cache: Union[None, str, os.PathLike[str]] = None,
+    ) -> Self: ...
+    @property
+    def backend(self) -> str: ...
+
+@final
 class Handle:
     def __new__(
         cls,
         path: Union[str, os.PathLike[str]],
-        backend: Optional[str] = None,
+        options: Union[OpenOptions, str, None] = None,
         *,
-        threads: Optional[int] = None,
-        chunk_bytes: Optional[int] = None,
-        drop_cache: bool = False,
         readahead: bool = True,
-        storage_options: Optional[Dict[str, Any]] = None,
-        verify: Union[None, bool, Dict[str, str], str, os.PathLike[str]] = None,
-        verify_cache: Union[None, str, os.PathLike[str]] = None,
+        **keywords: Any,
     ) -> Self: ...
     def pinned(self) -> List[Tuple[Path, Optional[str]]]: ...
     @property
@@ -252,15 +267,10 @@ class Checkpoint:
     def __new__(
         cls,
         path_or_paths: Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]],
-        backend: Optional[str] = None,
+        options: Union[OpenOptions, str, None] = None,
         *,
-        threads: Optional[int] = None,
-        chunk_bytes: Optional[int] = None,
-        drop_cache: bool = False,
-        storage_options: Optional[Dict[str, Any]] = None,
         hash: bool = False,
-        verify: Union[None, bool, Dict[str, str], str, os.PathLike[str]] = None,
-        verify_cache: Union[None, str, os.PathLike[str]] = None,
+        **keywords: Any,
     ) -> Self: ...
     def pinned(self) -> List[Tuple[Path, Optional[str]]]: ...
     @property

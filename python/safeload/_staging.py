@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _device, _mps
 from ._frameworks import to_dtype, torch_dtype, torch_shape
+from ._options import Options, open_options
 from ._safeload import STAGING_RING_ENV, Checkpoint, Fill, Handle, TensorInfo, staging_plan, staging_ring
 from ._stats import StagingStats
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: Environment variable for the ring, e.g. "4x64MiB", "2x256MiB", "8x16777216"; the ring's rule
 #: (arguments, this, a bound by what the process may take) is the reader's: ``staging_ring``.
@@ -250,11 +254,7 @@ def load_to_device(
     buffer_bytes: Optional[int] = None,
     sink: Optional[Sink] = None,
     progress: Optional[Progress] = None,
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
-    drop_cache: bool = False,
-    backend: Optional[str] = None,
-    storage_options: Optional[Dict[str, Any]] = None,
+    **options: Unpack[Options],
 ) -> Tuple[Dict[str, Any], StagingStats]:
     """Loads tensors of one or more files onto ``device`` through the staging ring.
 
@@ -262,8 +262,8 @@ def load_to_device(
     only one). ``names``: the tensors wanted (a list for one source, or one list-or-None per
     source); all when None. ``sink``: replaces the device's (tests). Returns a dict in file order
     of typed tensors, each with its own storage, every copy complete. Paths are opened as one
-    checkpoint (``backend``, ``threads``, ``chunk_bytes``, ``drop_cache``, ``storage_options``:
-    as :func:`safeload.safe_open` takes them) and closed after."""
+    checkpoint (``**options``: the reader's, see :class:`safeload._options.Options`) and closed
+    after."""
     single = isinstance(sources, (Handle, str, os.PathLike))
     items: List[Any] = [sources] if single else list(sources)  # type: ignore[arg-type]
     if names is None:
@@ -276,8 +276,8 @@ def load_to_device(
             raise ValueError("names: one entry per source")
     mps: Any = None
     if sink is None:
-        target = _device.torch_device(_device.parse(device) or "cpu")  # raises before any read
-        if target.type == "cpu":
+        target = _device.target("pytorch", device).torch  # raises before any read
+        if target is None:
             raise ValueError("load_to_device: device is the CPU (use the plain reader)")
         if target.type == "mps":
             mps = target  # straight into device memory when torch aliases it (safeload._mps)
@@ -288,8 +288,7 @@ def load_to_device(
     # Paths are opened as one checkpoint (a name in two shards is an error there), read file by
     # file through its handles.
     paths = [os.fspath(i) for i in items if not isinstance(i, Handle)]
-    ckpt = Checkpoint(paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                      storage_options=storage_options) if paths else None
+    ckpt = Checkpoint(paths, open_options(**options)) if paths else None
     shards = iter(ckpt.handles() if ckpt is not None else [])
     handles = [i if isinstance(i, Handle) else next(shards) for i in items]
     try:

@@ -20,13 +20,13 @@ failing rank, rather than leaving the others waiting in a collective.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _device, _logging
 from ._frameworks import to_dtype, to_torch, torch_dtype, torch_shape
 from . import _safeload
+from ._options import Options, open_options
 from ._safeload import Checkpoint, SafetensorError
 
 __all__ = ["load_checkpoint", "assign_owners"]
@@ -242,28 +242,31 @@ def load_checkpoint(
     verify_cache: Any = None,
 ) -> Any:
     """A state dict (torch) of a checkpoint read by the ranks of ``process_group`` together.
-    ``verify`` (see :func:`safeload.torch.load_checkpoint`): each rank reads and hashes whole
-    every shard it reads a part of, and checks it before its part is shared.
-    ``dtype`` converts the floating-point tensors (as torch's ``.to``); ``storage_options``: for
-    URLs, see :func:`safeload.safe_open`.
+    backend, threads, chunk_bytes, drop_cache, storage_options, verify, verify_cache: the
+    reader's options (see :class:`safeload._options.Options`); under ``verify``, each
+    rank reads and hashes whole every shard it reads a part of, and checks it before its part is
+    shared. ``dtype`` converts the floating-point tensors (as torch's ``.to``).
 
     Ranks in ``ranks_needing`` are ranks within ``process_group``. ``return_stats``: also
     return a :class:`~safeload._open.Stats` whose ``bytes_read`` counts the bytes this
     process read from storage. See the module docstring."""
     target = _device.parse(device)
+    # Checked where the checkpoint opens, whose errors (these too) every rank learns of.
+    options = Options(backend=backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
+                      storage_options=storage_options, verify=verify, verify_cache=verify_cache)
     if plan is not None:
         if ranks_needing is not None or selection is not None:
             raise SafetensorError("plan= reads per-rank slices; it does not combine with ranks_needing/selection")
-        return _load_plan(path_or_paths, target, process_group, plan, backend, threads, chunk_bytes,
-                          drop_cache, return_stats, dtype, storage_options, verify, verify_cache)
+        return _load_plan(path_or_paths, target, process_group, plan, return_stats, dtype, options)
     dist = _dist()
     group = _group(process_group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     comm = _comm_device(dist, group)
     started = time.perf_counter()
-    open_checkpoint = functools.partial(
-        Checkpoint, path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-        storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+
+    def open_checkpoint() -> Any:
+        return Checkpoint(path_or_paths, open_options(**options))
+
     ckpt, dev, paths, selections = _open_agreed(dist, group, rank, target, open_checkpoint, selection)
     entries, rounds = _plan_rounds(dist, group, rank, comm, ckpt, world, ranks_needing, selections)
     out = _read_and_exchange(dist, group, rank, comm, ckpt, entries, rounds)
@@ -338,9 +341,8 @@ def _read_and_exchange(dist: Any, group: Any, rank: int, comm: Any, ckpt: Any, e
     return exchange.finish(entries)
 
 
-def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], backend: Optional[str],
-               threads: Optional[int], chunk_bytes: Optional[int], drop_cache: bool, return_stats: bool,
-               dtype: Any, storage_options: Optional[Dict[str, Any]], verify: Any, verify_cache: Any) -> Any:
+def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[str, Any], return_stats: bool,
+               dtype: Any, options: Options) -> Any:
     """This rank's slices: ``{name: tensor[index]}``, reading only the byte ranges they need
     (under ``verify``, every shard a slice is cut from is read and hashed whole first)."""
     out: Dict[str, Any] = {}
@@ -348,8 +350,7 @@ def _load_plan(path_or_paths: Any, target: str, process_group: Any, plan: Dict[s
     stats: Any = None
     error: Optional[BaseException] = None
     try:
-        ckpt = Checkpoint(path_or_paths, backend, threads=threads, chunk_bytes=chunk_bytes, drop_cache=drop_cache,
-                          storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+        ckpt = Checkpoint(path_or_paths, open_options(**options))
         try:
             paths = ckpt.paths
             missing = set(plan) - {i.name for i in ckpt.infos()}

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 
 from ._frameworks import to_numpy
-from ._open import DEFAULT_BACKEND, safe_open
+from ._open import safe_open
 from ._safeload import TensorSpec, deserialize, serialize, serialize_file
 
 __all__ = ["load", "load_file", "save", "save_file"]
@@ -66,12 +66,13 @@ def load(data: bytes) -> Dict[str, np.ndarray]:
     return {name: to_numpy(v["dtype"], v["shape"], v["data"], name) for name, v in deserialize(data)}
 
 
-def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: Optional[str] = DEFAULT_BACKEND,
+def load_file(filename: Union[str, "os.PathLike[str]"], *, backend: Optional[str] = None,
               storage_options: Optional[Dict[str, Any]] = None, verify: Any = None,
               verify_cache: Any = None) -> Dict[str, np.ndarray]:
-    """Loads every array of ``filename`` (in parallel, into memory each array owns). ``verify``:
-    the file's SHA-256 checked in the same pass before anything is returned (see
-    :func:`safeload.torch.load_checkpoint`)."""
+    """Loads every array of ``filename`` (in parallel, into memory each array owns). backend,
+    storage_options, verify, verify_cache: the reader's options (see
+    :class:`safeload._options.Options`); under ``verify``, the file's SHA-256 is checked in the
+    same pass before anything is returned."""
     with safe_open(filename, framework="np", backend=backend, storage_options=storage_options, verify=verify,
                    verify_cache=verify_cache) as f:
         return f.get_tensors()

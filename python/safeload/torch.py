@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -18,7 +18,8 @@ from ._shared import (  # noqa: F401 (safetensors.torch has these names)
     storage_ptr,
     storage_size,
 )
-from ._open import DEFAULT_BACKEND, safe_open
+from ._open import safe_open
+from ._options import Options
 from ._safeload import DTYPES, TensorSpec, deserialize, serialize, serialize_file
 
 __all__ = [
@@ -34,6 +35,9 @@ __all__ = [
     "storage_ptr",
     "storage_size",
 ]
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -147,15 +151,14 @@ def save_model(
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_file(filename: PathLike, device: Any = "cpu", *, backend: Optional[str] = DEFAULT_BACKEND,
+def load_file(filename: PathLike, device: Any = "cpu", *, backend: Optional[str] = None,
               dtype: Any = None, storage_options: Optional[Dict[str, Any]] = None,
               verify: Any = None, verify_cache: Any = None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of ``filename`` (a path or a URL; in parallel, into memory each tensor
-    owns). ``storage_options``: see :func:`safeload.safe_open`.
-    ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on the
-    way, bit-exact with ``tensor.to(dtype)``. ``verify``: the file's SHA-256 checked in the
-    same pass before anything is returned (``{file name: digest}``, a manifest's path or True;
-    see :func:`load_checkpoint`)."""
+    owns). ``dtype`` (torch.float32, float16 or bfloat16) converts the floating-point tensors on
+    the way, bit-exact with ``tensor.to(dtype)``. backend, storage_options, verify, verify_cache:
+    the reader's options (see :class:`safeload._options.Options`); under ``verify``, the file's
+    SHA-256 is checked in the same pass before anything is returned."""
     with safe_open(filename, framework="pt", device=device, backend=backend, storage_options=storage_options,
                    verify=verify, verify_cache=verify_cache) as f:
         return f.get_tensors(dtype=dtype) if dtype is not None else f.get_tensors()
@@ -178,7 +181,7 @@ def load_model(
     strict: bool = True,
     device: Any = "cpu",
     *,
-    backend: Optional[str] = DEFAULT_BACKEND,
+    backend: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     verify: Any = None,
     verify_cache: Any = None,
@@ -187,16 +190,16 @@ def load_model(
     that share memory in the model, with safetensors' results: ``(missing, unexpected)``, the
     same strict errors. CPU parameters and buffers are read straight into (no new memory, dtypes
     converted on the way, storages unchanged); a model that loads its state its own way (hooks,
-    a custom ``_load_from_state_dict``) goes through ``load_state_dict``. ``storage_options``:
-    for URLs, see :func:`safeload.safe_open`. ``verify``: see :func:`safeload._inplace.load_into`
-    (every shard checked before the model is touched)."""
-    direct = _inplace.load_model_into(model, filename, strict, backend=backend, storage_options=storage_options,
-                                      verify=verify, verify_cache=verify_cache)
+    a custom ``_load_from_state_dict``) goes through ``load_state_dict``. backend,
+    storage_options, verify, verify_cache: the reader's options (see
+    :class:`safeload._options.Options`); under ``verify``, every shard is checked before the model
+    is touched."""
+    options = Options(backend=backend, storage_options=storage_options, verify=verify, verify_cache=verify_cache)
+    direct = _inplace.load_model_into(model, filename, strict, **options)
     if direct is not None:
         missing, unexpected = direct
     else:
-        state_dict = load_checkpoint(filename, device=device, backend=backend, storage_options=storage_options,
-                                     verify=verify, verify_cache=verify_cache)
+        state_dict = load_checkpoint(filename, device=device, **options)
         model_state_dict = model.state_dict()
         to_removes = _remove_duplicate_names(model_state_dict, preferred_names=state_dict.keys())
         missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -217,15 +220,16 @@ def load_checkpoint(
     path_or_paths: Any,
     device: Any = "cpu",
     *,
-    backend: Optional[str] = DEFAULT_BACKEND,
     process_group: Any = None,
     plan: Optional[Dict[str, Any]] = None,
     ranks_needing: Optional[Dict[str, Iterable[int]]] = None,
     **kwargs: Any,
 ) -> Any:
     """Loads a whole checkpoint: a file, a list of shards, a directory, or an index.json, with
-    every shard read through one worker pool. Keywords: threads, chunk_bytes, drop_cache,
-    progress, return_stats (see :func:`safeload._checkpoint.load_checkpoint`).
+    every shard read through one worker pool. Keywords: progress, return_stats, dtype (see
+    :func:`safeload._checkpoint.load_checkpoint`) and the reader's options (backend, threads,
+    chunk_bytes, drop_cache, storage_options, verify, verify_cache: see
+    :class:`safeload._options.Options`).
 
     ``process_group`` (a torch.distributed group), ``ranks_needing``, ``selection`` or ``plan``
     (per-rank slices): the ranks split the read and exchange tensors with the group's
@@ -233,17 +237,16 @@ def load_checkpoint(
     if process_group is not None or plan is not None or ranks_needing is not None or "selection" in kwargs:
         from . import distributed
 
-        return distributed.load_checkpoint(path_or_paths, device, backend=backend, process_group=process_group,
-                                           plan=plan, ranks_needing=ranks_needing, **kwargs)
-    return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, backend=backend, **kwargs)
+        return distributed.load_checkpoint(path_or_paths, device, process_group=process_group, plan=plan,
+                                           ranks_needing=ranks_needing, **kwargs)
+    return _checkpoint.load_checkpoint(path_or_paths, "pt", device=device, **kwargs)
 
 
-def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **kwargs: Any) -> Any:
+def load_into(tensors: Dict[str, torch.Tensor], path_or_paths: Any, **options: Unpack[Options]) -> Any:
     """Reads each named tensor of a checkpoint straight into the given tensor, in place
-    (converting F32/F16/BF16 as needed). Keywords: backend, threads, chunk_bytes, drop_cache,
-    storage_options, verify, verify_cache.
-    Returns the read's stats. See :mod:`safeload._inplace`."""
-    return _inplace.load_into(tensors, path_or_paths, **kwargs)
+    (converting F32/F16/BF16 as needed). ``**options``: the reader's (see
+    :class:`safeload._options.Options`). Returns the read's stats. See :mod:`safeload._inplace`."""
+    return _inplace.load_into(tensors, path_or_paths, **options)
 
 
 def iter_checkpoint(path_or_paths: Any, device: Any = "cpu", **kwargs: Any) -> Iterable[Tuple[str, torch.Tensor]]:

@@ -33,7 +33,7 @@ impl BackendArg {
     pub(super) fn or_default(given: Option<BackendArg>) -> PyResult<Backend> {
         match given {
             Some(BackendArg(backend)) => Ok(backend),
-            None => Ok(Backend::requested("auto")?),
+            None => Ok(Backend::requested(Backend::Auto.name())?),
         }
     }
 }
@@ -51,6 +51,7 @@ pub(super) enum CheckpointArg {
 /// none an error), a `{name: digest}` mapping, or a manifest's path (`str` or `os.PathLike`);
 /// None (not given) leaves it to `SAFELOAD_VERIFY` ([`VerifyArg::pin`]). Anything else is
 /// refused.
+#[derive(Clone)]
 pub(super) struct VerifyArg(Option<crate::checkpoint::verify::Pin>);
 
 impl VerifyArg {

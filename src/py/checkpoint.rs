@@ -7,14 +7,15 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use super::args::{BackendArg, CheckpointArg, VerifyArg, options, parse_dtype, verify_record};
+use super::args::{CheckpointArg, parse_dtype};
 use super::bytes::{Bytes, Importer, TensorTuple};
 use super::dlpack::Destinations;
 use super::errors::detached;
 use super::handle::Handle;
 use super::info::Info;
-use super::remote::StorageOptions;
+use super::options::OpenOptions;
 use super::shares::{self, Share};
 use super::stats::Stats;
 use super::stream::Stream;
@@ -55,33 +56,23 @@ impl Checkpoint {
 
 #[pymethods]
 impl Checkpoint {
-    /// `hash=True`: reads of every byte of each shard in file order (its batches, one after
-    /// the other) compute its SHA-256 in the same pass (`digests()`); never a map.
+    /// `options`: an `OpenOptions` (what every loader passes), else a backend's name or None and
+    /// `OpenOptions`' keywords. `hash=True`: reads of every byte of each shard in file order (its
+    /// batches, one after the other) compute its SHA-256 in the same pass (`digests()`); never a
+    /// map. `verify` (in the options) pins every shard to a SHA-256: resolved at open, checked by
+    /// `read` before it returns (see `crate::checkpoint::verify`); implies `hash`.
     #[new]
-    /// `verify`: pins every shard to a SHA-256 (a `{name: digest}` mapping, a manifest's path, or
-    /// True for the digests the source knows): resolved at open, checked by `read` before it
-    /// returns (see `crate::checkpoint::verify`); implies `hash`.
-    #[pyo3(signature = (path_or_paths, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, storage_options=None, hash=false, verify=None, verify_cache=None))]
-    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, converted once
+    #[pyo3(signature = (path_or_paths, options=None, *, hash=false, **keywords))]
     fn new(
         py: Python<'_>,
         path_or_paths: CheckpointArg,
-        backend: Option<BackendArg>,
-        threads: Option<usize>,
-        chunk_bytes: Option<usize>,
-        drop_cache: bool,
-        storage_options: Option<StorageOptions>,
+        options: Option<&Bound<'_, PyAny>>,
         hash: bool,
-        verify: Option<VerifyArg>,
-        verify_cache: Option<PathBuf>,
+        keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let (pin, backend) = VerifyArg::pin(verify, BackendArg::or_default(backend)?)?;
-        let record = verify_record(verify_cache, pin.as_ref())?;
-        let opts = crate::read::source::ReadOptions {
-            hash,
-            ..options(threads, chunk_bytes, drop_cache)
-        };
-        let store = storage_options.unwrap_or_default().0;
+        let given = OpenOptions::given(py, options, keywords)?.get().resolve()?;
+        let (backend, store, pin, record) = (given.backend, given.store, given.pin, given.record);
+        let opts = crate::read::source::ReadOptions { hash, ..given.read };
         let inner = detached(py, |_| {
             let (files, root) = match &path_or_paths {
                 CheckpointArg::At(at) => {

@@ -10,6 +10,7 @@ mod dlpack;
 mod errors;
 mod handle;
 mod info;
+mod options;
 mod prefetch;
 mod provided;
 mod remote;
@@ -128,6 +129,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<bytes::Bytes>()?;
     m.add_class::<bytes::Importer>()?;
+    m.add_class::<options::OpenOptions>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<prefetch::Prefetch>()?;
     m.add_class::<write::TensorSpec>()?;

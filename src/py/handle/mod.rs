@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{BackendArg, VerifyArg, options, parse_dtype, verify_record};
+use super::args::parse_dtype;
 use super::bytes::{Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
+use super::options::OpenOptions;
 use super::prefetch::{self, MakersArg, Prefetch};
 use super::stats::Stats;
 use crate::checkpoint::{Checkpoint, ReadStats};
@@ -107,29 +108,28 @@ impl Handle {
 
 #[pymethods]
 impl Handle {
-    /// `readahead=False` for callers that know exactly which bytes they want (slice plans):
-    /// whole-tensor reads then never read ahead.
+    /// `options`: an `OpenOptions` (what safe_open passes), else a backend's name or None and
+    /// `OpenOptions`' keywords. `readahead=False` for callers that know exactly which bytes they
+    /// want (slice plans): whole-tensor reads then never read ahead. `verify` (in the options):
+    /// the file's SHA-256 pinned (see `Checkpoint`'s): the file is read whole and hashed now, and
+    /// every tensor is served from those bytes; a mismatch raises here.
     #[new]
-    /// `verify`: the file's SHA-256 pinned (see `Checkpoint`'s): the file is read whole and
-    /// hashed now, and every tensor is served from those bytes; a mismatch raises here.
-    #[pyo3(signature = (path, backend=None, *, threads=None, chunk_bytes=None, drop_cache=false, readahead=true, storage_options=None, verify=None, verify_cache=None))]
-    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
+    #[pyo3(signature = (path, options=None, *, readahead=true, **keywords))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
-        backend: Option<BackendArg>,
-        threads: Option<usize>,
-        chunk_bytes: Option<usize>,
-        drop_cache: bool,
+        options: Option<&Bound<'_, PyAny>>,
         readahead: bool,
-        storage_options: Option<super::remote::StorageOptions>,
-        verify: Option<VerifyArg>,
-        verify_cache: Option<PathBuf>,
+        keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let (pin, backend) = VerifyArg::pin(verify, BackendArg::or_default(backend)?)?;
-        let record = verify_record(verify_cache, pin.as_ref())?;
-        let store = storage_options.unwrap_or_default().0;
-        let opts = options(threads, chunk_bytes, drop_cache);
+        let given = OpenOptions::given(py, options, keywords)?.get().resolve()?;
+        let (backend, opts, store, pin, record) = (
+            given.backend,
+            given.read,
+            given.store,
+            given.pin,
+            given.record,
+        );
         let ckpt = detached(py, |poll| {
             let ckpt = Checkpoint::open_pinned(
                 &[path],
