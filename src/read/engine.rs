@@ -123,10 +123,9 @@ struct Files<'a> {
 }
 
 impl<'a> Files<'a> {
-    fn buffered(&mut self, i: usize) -> &File {
+    /// Input `i`'s file for buffered reads: `shared` (the source's), or the worker's own.
+    fn buffered(&mut self, i: usize, shared: &'a File) -> &File {
         let input = &self.inputs[i];
-        let shared = (input.backing.file())
-            .expect("a local input: objects in a store are read before any file is asked for");
         if !self.own_fds {
             return shared;
         }
@@ -199,21 +198,26 @@ impl<'a> Worker<'a> {
             offset: chunk.offset + done as u64,
             source,
         };
-        #[cfg(feature = "remote")]
-        if let Backing::Remote(object) = input.backing {
-            return self.read_remote(object, chunk, segments).map_err(to_error);
-        }
+        // (One arm without the `remote` feature: a file is all a backing can be then.)
+        #[cfg_attr(not(feature = "remote"), allow(clippy::infallible_destructuring_match))]
+        let shared = match input.backing {
+            Backing::File(file) => file,
+            #[cfg(feature = "remote")]
+            Backing::Remote(object) => {
+                return self.read_remote(object, chunk, segments).map_err(to_error);
+            }
+        };
         let direct = input
             .direct
             .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
-        let result = match direct.map(|d| self.read_chunk(Some(d), chunk, segments)) {
+        let result = match direct.map(|d| self.read_chunk(Some(d), shared, chunk, segments)) {
             // The filesystem refuses uncached reads: buffered from now on, for every worker.
             Some(Err((_, e))) if platform::uncached_refused(&e) => {
                 self.direct_refused.store(true, Ordering::Relaxed);
-                self.read_chunk(None, chunk, segments)
+                self.read_chunk(None, shared, chunk, segments)
             }
             Some(done) => done,
-            None => self.read_chunk(None, chunk, segments),
+            None => self.read_chunk(None, shared, chunk, segments),
         };
         result.map_err(to_error)
     }
@@ -251,6 +255,7 @@ impl<'a> Worker<'a> {
     fn read_chunk(
         &mut self,
         direct: Option<&Uncached>,
+        shared: &'a File,
         chunk: &Chunk,
         segments: &[Segment],
     ) -> IoResult<RawAt> {
@@ -260,7 +265,7 @@ impl<'a> Worker<'a> {
             let file = match direct {
                 Some(d) => &d.file,
                 None => {
-                    let file = self.files.buffered(chunk.file);
+                    let file = self.files.buffered(chunk.file, shared);
                     // Asked of the page cache first: the disk reads the chunk while this thread
                     // maps its destination pages, rather than the two taking turns.
                     platform::prefetch(file, chunk.offset, chunk.len as u64);
@@ -273,14 +278,14 @@ impl<'a> Worker<'a> {
         let (bytes, at) = match direct {
             Some(d) if aligned => {
                 let head = (chunk.offset % d.align) as usize;
-                (self.read_aligned(d, chunk)?, RawAt::Bounce { head })
+                (self.read_aligned(d, shared, chunk)?, RawAt::Bounce { head })
             }
             Some(d) => (
                 read_into_scratch(&mut self.scratch, &d.file, chunk)?,
                 RawAt::Scratch,
             ),
             None => {
-                let file = self.files.buffered(chunk.file);
+                let file = self.files.buffered(chunk.file, shared);
                 (
                     read_into_scratch(&mut self.scratch, file, chunk)?,
                     RawAt::Scratch,
@@ -294,7 +299,7 @@ impl<'a> Worker<'a> {
 
     /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
     /// the chunk's own bytes once the file is confirmed to still cover them.
-    fn read_aligned(&mut self, direct: &Uncached, chunk: &Chunk) -> IoBytes<'_> {
+    fn read_aligned(&mut self, direct: &Uncached, shared: &'a File, chunk: &Chunk) -> IoBytes<'_> {
         let align = direct.align;
         let start = chunk.offset / align * align;
         let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
@@ -322,7 +327,7 @@ impl<'a> Worker<'a> {
             if got < need && !(got as u64).is_multiple_of(align) {
                 // An unaligned short read cannot be continued uncached: the rest buffered.
                 let from = got.max(head);
-                let file = self.files.buffered(chunk.file);
+                let file = self.files.buffered(chunk.file, shared);
                 let rest = &mut bounce[from..need];
                 let at = start + from as u64;
                 let n = platform::read_fully_at(file, rest, at).map_err(|e| (from - head, e))?;

@@ -353,8 +353,7 @@ pub fn resolve(
 /// measured when the read-ahead would start): only where some of it is not. A resident file's
 /// pages are there already; making them resident would only fill page tables for pages the
 /// caller may never touch, a cost that grows with the file where safetensors 0.8's map costs
-/// nothing (measured: `load_file` of a warm 0.5 GiB file, 8.8 ms against 0.8's 1.6 ms, all of
-/// it in `MADV_POPULATE_READ` and `WILLNEED`). Unknown: read ahead.
+/// nothing (docs/backends.md, "Tuning, as measured"). Unknown: read ahead.
 pub fn populate_ahead(cached: Option<f64>) -> bool {
     cached.is_none_or(|fraction| fraction < RESIDENT)
 }
@@ -391,13 +390,13 @@ pub fn auto_may_map() -> bool {
 /// - Network and FUSE filesystems, never mmap (every page fault would be a small remote read,
 ///   and truncation under a map is SIGBUS): cold, uncached reads (O_DIRECT), which the kernel
 ///   does not funnel through FUSE readahead and its `max_background` cap (12 requests in flight
-///   by default): measured through a 2 ms FUSE mount, buffered readers stop near 0.6 GiB/s
-///   however many threads they run, O_DIRECT readers reach 2.5 GiB/s. Where the mount refuses
-///   O_DIRECT the engine falls back to buffered reads. Warm (the pages are already in this
+///   by default), so buffered readers stop at that cap however many threads they run, where
+///   uncached readers do not (docs/backends.md, "Storage"). Where the mount refuses O_DIRECT the
+///   engine falls back to buffered reads. Warm (the pages are already in this
 ///   machine's cache): buffered parallel pread, a memory copy.
 /// - Local and memory filesystems: a private map, zero copy, as safetensors 0.8's default does
 ///   (with the same sequential read-ahead advice): warm, every other way copies what is already in
-///   memory into fresh memory, 20-100x slower on the dev VM; cold, the page cache has to be filled
+///   memory into fresh memory, many times slower; cold, the page cache has to be filled
 ///   anyway and the map uses it without a second copy (docs/backends.md has the table).
 /// - Except cold local files holding more than half of the available memory ([`direct_above`]):
 ///   O_DIRECT, so that a load does not push the rest of the page cache (or its own tensors) out;
@@ -436,9 +435,9 @@ pub fn choose(
 
 /// Workers for a strategy on a filesystem: network reads wait on round trips, so many more
 /// requests are kept in flight than there are cores: 16, or as many as the FUSE connection lets
-/// the kernel keep in flight (`max_background`, where it can be read), up to 8 per core and 64.
-/// Measured through a 2 ms slowfs mount on 2 cores (docs/backends.md, "Storage"): uncached 1 MiB reads by
-/// 16 workers 3.48 GiB/s, by 32 2.67, by 64 2.14 (the CPU is the limit there), by 8 2.74.
+/// the kernel keep in flight (`max_background`, where it can be read), up to 8 per core and 64:
+/// fewer leave the connection idle between round trips, more spend the cores on switching
+/// (docs/backends.md, "Tuning, as measured").
 pub fn threads_for(kind: FsKind, cores: usize, in_flight: Option<usize>) -> usize {
     match kind {
         FsKind::Network(_) => 16
@@ -448,12 +447,9 @@ pub fn threads_for(kind: FsKind, cores: usize, in_flight: Option<usize>) -> usiz
     }
 }
 
-/// Bytes per read request: 8 MiB locally; 4 MiB on network filesystems. Measured through a
-/// 2 ms slowfs mount, kernel defaults, 16 workers: safeload's default load in fresh processes
-/// (5 interleaved rounds, medians) 2.05 GiB/s with 4 MiB, 1.80 with 1 MiB (fewer, larger reads
-/// fault the fresh destination memory in with less overhead); raw uncached reads into reused
-/// buffers 2.91 with 4 MiB, 3.48 with 1 MiB, 2.00 with 16 MiB; buffered 0.64 / 0.65 / 0.60
-/// (readahead sends 128 KiB requests whatever the read size).
+/// Bytes per read request: 8 MiB locally; 4 MiB on network filesystems, where fewer, larger
+/// reads fault the fresh destination memory in with less overhead than small ones and are still
+/// many per file for the workers to share (docs/backends.md, "Tuning, as measured").
 pub fn chunk_bytes_for(kind: FsKind) -> usize {
     match kind {
         FsKind::Network(_) => 4 << 20,
