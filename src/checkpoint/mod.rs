@@ -233,7 +233,7 @@ impl Checkpoint {
 
     /// How this checkpoint's whole tensors are read into new memory (see [`Checkpoint::plan`]).
     pub fn strategy(&self) -> Strategy {
-        self.plan(Purpose::Views, 0).strategy
+        strategy::strategy_of(&self.known(0), Purpose::Views)
     }
 
     /// How a read of shard `shard` for `purpose` is done: the read plan (`strategy::plan`) from
@@ -242,20 +242,25 @@ impl Checkpoint {
     /// map's read-ahead depends on it). Every read path executes it; a read of several shards
     /// reads each by its own plan and reports the first one's.
     pub fn plan(&self, purpose: Purpose, shard: usize) -> Plan {
-        let (resolved, cached) = self.resolution(shard);
-        let known = Known {
-            resolved,
-            cached,
-            direct_refused: self.direct_refused.load(Ordering::Relaxed),
-            pinned: self.pinned_shard(shard),
-        };
-        strategy::plan(&known, purpose, || {
+        strategy::plan(&self.known(shard), purpose, || {
             self.shards.get(shard).and_then(|s| s.cached())
         })
     }
 
+    /// What the read plan knows of shard `shard` (resolving the backend at its first ask).
+    fn known(&self, shard: usize) -> Known {
+        let (resolved, cached) = self.resolution(shard);
+        Known {
+            resolved,
+            cached,
+            direct_refused: self.direct_refused.load(Ordering::Relaxed),
+            pinned: self.pinned_shard(shard),
+        }
+    }
+
     /// Each shard's strategy for `purpose` (one per shard, for the source reads), resolving only
-    /// the `shards` a read touches (the others are not read: pread).
+    /// the `shards` a read touches (the others are not read: pread); the strategy alone, so no
+    /// residency is measured again for a read-ahead (`strategy::strategy_of`).
     fn strategies(
         &self,
         purpose: Purpose,
@@ -263,7 +268,7 @@ impl Checkpoint {
     ) -> Vec<Strategy> {
         let mut out = vec![Strategy::Pread; self.shards.len()];
         for s in shards {
-            out[s] = self.plan(purpose, s).strategy;
+            out[s] = strategy::strategy_of(&self.known(s), purpose);
         }
         out
     }

@@ -279,10 +279,7 @@ pub struct Known {
 ///   owned memory ahead of the asks. Provided destinations are read into as the caller provides
 ///   them.
 pub fn plan(known: &Known, purpose: Purpose, cached_now: impl FnOnce() -> Option<f64>) -> Plan {
-    let strategy = match purpose {
-        Purpose::Provided => Mode::Provided.strategy(),
-        _ => for_purpose(known.resolved, known.cached, purpose, known.direct_refused),
-    };
+    let strategy = strategy_of(known, purpose);
     let ahead = match (purpose, strategy) {
         _ if known.pinned => None,
         (Purpose::Views | Purpose::Parts | Purpose::Copies, _) => None,
@@ -294,6 +291,15 @@ pub fn plan(known: &Known, purpose: Purpose, cached_now: impl FnOnce() -> Option
         (Purpose::Pulls | Purpose::Prefetch, owned) => Some(Mode::Owned(owned)),
     };
     Plan { strategy, ahead }
+}
+
+/// The strategy of [`plan`] alone, which needs nothing measured beyond what `known` holds (a
+/// read that only needs the strategy does not measure residency for the read-ahead).
+pub fn strategy_of(known: &Known, purpose: Purpose) -> Strategy {
+    match purpose {
+        Purpose::Provided => Mode::Provided.strategy(),
+        _ => for_purpose(known.resolved, known.cached, purpose, known.direct_refused),
+    }
 }
 
 /// What [`resolve`] needs to know of a file: its facts, as its source tells them.

@@ -46,7 +46,7 @@ pub fn hash_files(
                 direct_refused: false,
                 pinned: false,
             };
-            strategy::plan(&known, Purpose::Copies, || cached).strategy
+            strategy::strategy_of(&known, Purpose::Copies)
         })
         .collect();
     hash_sources(&sources, &strategies, &opts, max_bytes, poll)
