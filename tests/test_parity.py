@@ -465,7 +465,10 @@ def test_tensors_valid_and_writable_after_close(tmp_path, backend):
     a.add_(1)
     allt["b"].mul_(2)
     sl.zero_()
-    assert torch.equal(a, src["a"] + 1)
+    expect = src["a"] + 1
+    if mapped:  # a slice of a map is a view of the tensor's pages, as 0.8's (checked below)
+        expect[1:3] = 0
+    assert torch.equal(a, expect)
     assert torch.equal(allt["b"], src["b"] * 2)
     if not mapped:  # a map, as 0.8's, may share a name's storage between reads
         assert torch.equal(allt["a"], src["a"])  # a separate copy, untouched

@@ -20,9 +20,8 @@ use crate::format::digest::Digest;
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
-use crate::read::buffer::TensorBytes;
 use crate::read::engine::{ReadCounts, SharedTotals};
-use crate::read::source::{self, ReadOptions, Source, Target, Tensors};
+use crate::read::source::{self, Part, ReadOptions, Source, Target, Tensors};
 use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy};
 
 pub(crate) mod files;
@@ -454,26 +453,28 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The bytes of `plan` (part of tensor `info` of shard `shard`) in new memory: cut out of
-    /// the map where the checkpoint maps (or of a pinned shard's hashed bytes), else only the
-    /// rows it needs read.
+    /// Part `plan` of tensor `info` of shard `shard`, by the plan for parts (`Purpose::Parts`:
+    /// a map's view or cut, or exactly the ranges it needs read); `views`: the caller indexes
+    /// views, so a slice of a map that is not one run comes back as the whole tensor's view
+    /// ([`Part::Whole`]). A pinned shard's part is cut from its hashed bytes.
     pub fn read_slice(
         &self,
         shard: usize,
         info: &TensorInfo,
         plan: &SlicePlan,
+        views: bool,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(TensorBytes, ReadStats)> {
+    ) -> Result<(Part, ReadStats)> {
         let how = self.plan(Purpose::Parts, shard);
         if self.pinned_shard(shard) {
             let mut done = ReadCounts::default();
             let part = self.slice_pinned(shard, info, plan, poll, &mut done);
             let stats = self.record(how, &done);
-            return Ok((part?, stats));
+            return Ok((Part::Bytes(part?), stats));
         }
         let source = &self.shards[shard];
-        let (bytes, report) = source.read_slice(info, plan, how.strategy, &self.opts, poll)?;
-        Ok((bytes, self.record(how, &report)))
+        let (part, report) = source.read_slice(info, plan, how.strategy, views, &self.opts, poll)?;
+        Ok((part, self.record(how, &report)))
     }
 
     /// Data-area ranges of shard `shard` (`(offset, dest)`: `dest` filled from `offset` bytes

@@ -61,6 +61,11 @@ pub fn advise_sequential(file: &File) {
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
 }
 
+pub fn advise_random(file: &File) {
+    // SAFETY: advisory call on an open fd.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+}
+
 pub fn drop_cache(file: &File) {
     // SAFETY: advisory call on an open fd.
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };

@@ -45,6 +45,11 @@ pub fn advise_sequential(file: &File) {
     unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDAHEAD, 1) };
 }
 
+pub fn advise_random(file: &File) {
+    // SAFETY: fcntl on an open fd with an integer argument; advisory only.
+    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDAHEAD, 0) };
+}
+
 /// macOS has no call that evicts one file's pages (`posix_fadvise` does not exist); reads made
 /// through [`open_uncached`] do not fill the cache in the first place.
 pub fn drop_cache(_file: &File) {}

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | positional vectored read | `preadv` | `preadv` | `seek_read` per segment |
 //! | uncached read handle | `O_DIRECT` (4 KiB aligned) | `F_NOCACHE` (no alignment) | `FILE_FLAG_NO_BUFFERING` (4 KiB aligned) |
-//! | cache hints / drop | `posix_fadvise` | `F_RDADVISE` / none | none |
+//! | cache hints / drop | `posix_fadvise` | `F_RDADVISE`, `F_RDAHEAD` / none | none |
 //! | filesystem kind | `fstatfs` magic | `statfs.f_fstypename` | `GetDriveTypeW`, UNC paths |
 //! | page-cache residency | `mincore` | `mincore` | unknown |
 //! | available memory | `/proc/meminfo` | `host_statistics64` | `GlobalMemoryStatusEx` |
@@ -167,6 +167,12 @@ pub fn prefetch(file: &File, offset: u64, len: u64) {
 /// Tells the OS that `file` will be read front to back (larger read-ahead; a hint).
 pub fn advise_sequential(file: &File) {
     os::advise_sequential(file)
+}
+
+/// Tells the OS that `file` is read at scattered places: read only what is asked, nothing
+/// around it (a hint; parts of a file read by range, as a tensor-parallel rank reads its slices).
+pub fn advise_random(file: &File) {
+    os::advise_random(file)
 }
 
 /// Drops a file's clean pages from the page cache where the OS allows it (a hint).

@@ -105,6 +105,10 @@ pub fn prefetch(_file: &File, _offset: u64, _len: u64) {}
 /// for an open handle; the cache manager detects sequential reads by itself.
 pub fn advise_sequential(_file: &File) {}
 
+/// Random access is a flag at open on Windows (`FILE_FLAG_RANDOM_ACCESS`), not a hint for an
+/// open handle.
+pub fn advise_random(_file: &File) {}
+
 /// Windows has no call that evicts one file's pages.
 pub fn drop_cache(_file: &File) {}
 

@@ -194,6 +194,16 @@ impl TensorBytes {
         unsafe { std::slice::from_raw_parts(self.as_mut_ptr(), self.len) }
     }
 
+    /// `len` of these bytes from `at` (within them), sharing their memory.
+    pub fn sub(&self, at: usize, len: usize) -> TensorBytes {
+        assert!(at.checked_add(len).is_some_and(|end| end <= self.len));
+        match &self.storage {
+            _ if len == 0 => TensorBytes::empty(),
+            Some(storage) => TensorBytes::new(storage.clone(), self.offset + at, len),
+            None => TensorBytes::empty(),
+        }
+    }
+
     /// The region these bytes are a range of (None for empty bytes).
     pub fn region(&self) -> Option<&Arc<Region>> {
         self.storage.as_ref()

@@ -198,7 +198,11 @@ pub enum Purpose {
 /// - A map gives views and parts; a copy out of it would fault every page in and then copy, so
 ///   copies read instead: from the page cache when warm (pread), around it when cold (uncached
 ///   reads keep the disk's queue full where buffered reads wait on readahead a window at a time:
-///   docs/backends.md, "Reading into a model"). Not measured (an explicit `"mmap"`): pread.
+///   docs/backends.md, "Reading into a model"). Not measured (no residency known): pread.
+/// - Parts of a cold map are read, exactly the ranges they need, with pread: faulting them
+///   in would leave the bytes to the kernel's read-around, which reads the rows around each
+///   part (another rank's, in a tensor-parallel load) into the page cache. Warm (or not
+///   measured), they are cut out of the map, as 0.8's are.
 /// - Uncached reads the filesystem refused (`direct_refused`, seen by an earlier read): pread.
 /// - Otherwise what was resolved (`pread`, `direct`) reads for every purpose.
 fn for_purpose(
@@ -211,6 +215,10 @@ fn for_purpose(
         (Strategy::Mmap, Purpose::Copies) => match cached {
             Some(fraction) if fraction < COLD_BELOW => Strategy::Direct,
             _ => Strategy::Pread,
+        },
+        (Strategy::Mmap, Purpose::Parts) => match cached {
+            Some(fraction) if fraction < COLD_BELOW => Strategy::Pread,
+            _ => Strategy::Mmap,
         },
         (strategy, _) => strategy,
     };
@@ -321,6 +329,7 @@ pub struct Facts {
 /// when it was not measured or cannot be told), so that a plan reuses the one probe.
 ///
 /// - What cannot be mapped (an object in a store) is read, whatever was asked for.
+/// - "mmap" maps, with the residency measured (for the plans of parts and copies).
 /// - Never a map on a network filesystem, even when asked for one: every fault would be a small
 ///   remote read, and a file that shrinks under a map kills the process. The network reader
 ///   gives the same tensors ("mmap" there resolves as "auto" does).
@@ -335,7 +344,9 @@ pub fn resolve(
         return (Strategy::Pread, None);
     }
     match backend {
-        Backend::Mmap if !matches!(file.kind, FsKind::Network(_)) => (Strategy::Mmap, None),
+        // Residency is measured for a map too (microseconds): parts of a cold map are read, not
+        // faulted in (`for_purpose`), and libraries ask for "mmap" by name (transformers).
+        Backend::Mmap if !matches!(file.kind, FsKind::Network(_)) => (Strategy::Mmap, cached()),
         Backend::Pread => (Strategy::Pread, None),
         Backend::Direct => (Strategy::Direct, None),
         Backend::Auto | Backend::Mmap => {
@@ -501,6 +512,9 @@ mod tests {
             (Mmap, Some(1.0), Views, false, Mmap),
             (Mmap, Some(0.0), Views, false, Mmap),
             (Mmap, None, Parts, false, Mmap),
+            (Mmap, Some(1.0), Parts, false, Mmap),
+            (Mmap, Some(0.6), Parts, false, Mmap),
+            (Mmap, Some(0.2), Parts, false, Pread),
             (Mmap, Some(1.0), Copies, false, Pread),
             (Mmap, Some(0.2), Copies, false, Direct),
             (Mmap, Some(0.2), Copies, true, Pread),
@@ -542,10 +556,13 @@ mod tests {
             Strategy,
             Option<Mode>,
         );
-        let table: [Case; 31] = [
-            // Views, parts and copies asked together: nothing read ahead.
+        let table: [Case; 33] = [
+            // Views, parts and copies asked together: nothing read ahead. Parts of a cold map
+            // are read (exactly their ranges), of a warm one cut out of it.
             (Mmap, cold, Views, false, false, Mmap, None),
-            (Mmap, cold, Parts, false, false, Mmap, None),
+            (Mmap, cold, Parts, false, false, Pread, None),
+            (Mmap, resident, Parts, false, false, Mmap, None),
+            (Mmap, None, Parts, false, false, Mmap, None),
             (Mmap, cold, Copies, false, false, Direct, None),
             (Mmap, resident, Copies, false, false, Pread, None),
             (Mmap, None, Copies, false, false, Pread, None),
@@ -621,8 +638,8 @@ mod tests {
     }
 
     /// [`resolve`]: what cannot be mapped is read; an explicit backend stands, but no map on a
-    /// network filesystem; "auto" asks [`choose`], measuring residency only then, and reads what
-    /// must pass through the reader.
+    /// network filesystem; "auto" asks [`choose`] and "mmap" maps, measuring residency only
+    /// then, and "auto" reads what must pass through the reader.
     #[test]
     fn a_backend_resolves_by_the_file() {
         const GIB: u64 = 1 << 30;
@@ -635,8 +652,8 @@ mod tests {
         let local = facts(FsKind::Local, true, false);
         let unmeasured = || -> Option<f64> { panic!("residency measured for an explicit backend") };
         assert_eq!(
-            resolve(Backend::Mmap, &local, unmeasured),
-            (Strategy::Mmap, None)
+            resolve(Backend::Mmap, &local, || Some(0.25)),
+            (Strategy::Mmap, Some(0.25))
         );
         assert_eq!(
             resolve(Backend::Pread, &local, unmeasured),

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::parse_dtype;
-use super::bytes::{Importer, TensorTuple};
+use super::bytes::{Bytes, Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
 use super::options::OpenOptions;
@@ -26,7 +26,7 @@ use super::stats::Stats;
 use crate::checkpoint::{Checkpoint, ReadStats};
 use crate::error::Error;
 use crate::read::readahead::{self, ReadAhead};
-use crate::read::source::Source;
+use crate::read::source::{Part, Source};
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {
@@ -398,7 +398,9 @@ impl Handle {
     /// `tensor[key]`, `key` as `__getitem__` got it (ints, slices, `...`, a tuple of those),
     /// `bounds` "strict" (0.8's pread and numpy rule) or "clamp" (torch's; see
     /// `slice::Bounds`). Returns (dtype, shape, bytes), or the tensor `importer` makes of them
-    /// where it makes that dtype; only the needed byte ranges are read.
+    /// where it makes that dtype; only the needed byte ranges are read. Of a map, with an
+    /// importer, the part is the imported tensor's view `[key]` (as 0.8's slices of a map are:
+    /// nothing copied).
     #[pyo3(signature = (name, key, bounds="strict", importer=None))]
     fn read_slice(
         &self,
@@ -410,13 +412,28 @@ impl Handle {
     ) -> PyResult<Py<PyAny>> {
         let ckpt = self.ckpt()?;
         let info = ckpt.shards[self.shard].tensor(name)?;
-        let (code, shape, bytes) =
-            self.read_part(py, &ckpt, info, slice_plan(info, key, bounds)?)?;
-        if let Some(importer) = importer.as_deref()
-            && let Some(tensor) = importer.import(py, &bytes, code, &shape)?
+        let plan = slice_plan(info, key, bounds)?;
+        let importer = importer.as_deref();
+        let code = info.dtype.code();
+        let bytes = match self.read_part(py, &ckpt, info, &plan, importer.is_some())? {
+            Part::Bytes(bytes) => bytes,
+            Part::Whole(whole) => {
+                let tensor = match importer {
+                    Some(importer) => importer.import(py, &Bytes::new(whole.clone()), code, &info.shape)?,
+                    None => None,
+                };
+                match tensor {
+                    Some(tensor) => return Ok(tensor.get_item(key)?.unbind()),
+                    None => crate::read::buffer::cut(&plan, &whole)?,
+                }
+            }
+        };
+        let bytes = Bytes::new(bytes);
+        if let Some(importer) = importer
+            && let Some(tensor) = importer.import(py, &bytes, code, &plan.shape)?
         {
             return Ok(tensor.unbind());
         }
-        Ok((code, shape, bytes).into_pyobject(py)?.into_any().unbind())
+        Ok((code, plan.shape, bytes).into_pyobject(py)?.into_any().unbind())
     }
 }

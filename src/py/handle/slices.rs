@@ -1,5 +1,5 @@
 //! Parts of a tensor from a `Handle` (`tensor[key]`): the key's plan, whether it covers the
-//! whole tensor, and the bytes cut from the read-ahead's, from the map, or read.
+//! whole tensor, and the part: cut from the read-ahead's bytes, a view of the map, or read.
 
 use pyo3::prelude::*;
 
@@ -8,27 +8,24 @@ use crate::checkpoint::Checkpoint;
 use crate::format::header::TensorInfo;
 use crate::format::slice;
 use crate::py::args::{parse_bounds, parse_key};
-use crate::py::bytes::Bytes;
 use crate::py::errors::detached;
 use crate::read::readahead::Mode;
+use crate::read::source::Part;
 
 impl Handle {
-    /// `read_slice`: (dtype, shape, bytes) of `plan` in tensor `info`, only the needed byte
-    /// ranges read.
+    /// `read_slice`: `plan` of tensor `info`, by the plan for parts: only the needed byte
+    /// ranges read, or the map's view (`views`: see `Checkpoint::read_slice`). A slice never
+    /// starts the read-ahead (a caller reading by slices, a tensor-parallel rank, asks for
+    /// exactly what it needs, whole tensors `[...]` included); one the read-ahead already holds
+    /// is cut from its bytes.
     pub(super) fn read_part(
         &self,
         py: Python<'_>,
         ckpt: &Checkpoint,
         info: &TensorInfo,
-        plan: slice::SlicePlan,
-    ) -> PyResult<(&'static str, Vec<usize>, Bytes)> {
-        if covers(&plan, info) {
-            // The whole tensor (`[...]`, `[:]`): what get_tensor gives, a view of the map
-            // under mmap (zero copy, as safetensors' default), the read-ahead's bytes otherwise.
-            let (_, code, shape, bytes) = self.whole(py, ckpt, info)?;
-            return Ok((code, shape, bytes));
-        }
-        // Part of a tensor the read-ahead already holds: cut from its bytes.
+        plan: &slice::SlicePlan,
+        views: bool,
+    ) -> PyResult<Part> {
         let held = match self.ahead.get() {
             Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
                 let index = ckpt.shards[self.shard]
@@ -39,15 +36,15 @@ impl Handle {
             }
             _ => None,
         };
-        let bytes = match held {
-            Some(whole) => crate::read::buffer::cut(&plan, &whole)?,
-            None => detached(py, |poll| ckpt.read_slice(self.shard, info, &plan, poll))?.0,
-        };
-        Ok((info.dtype.code(), plan.shape, Bytes::new(bytes)))
+        Ok(match held {
+            Some(whole) if covers(plan, info) => Part::Bytes(whole),
+            Some(whole) => Part::Bytes(crate::read::buffer::cut(plan, &whole)?),
+            None => detached(py, |poll| ckpt.read_slice(self.shard, info, plan, views, poll))?.0,
+        })
     }
 }
 
-/// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
+/// The slice plan of `tensor[key]` (see `Handle.read_slice`).
 pub(super) fn slice_plan(
     info: &TensorInfo,
     key: &Bound<'_, PyAny>,
@@ -57,6 +54,7 @@ pub(super) fn slice_plan(
     slice::plan(info.dtype, &info.shape, &indices, parse_bounds(bounds)?).map_err(PyErr::from)
 }
 
+/// Whether a slice plan takes the whole tensor (`[...]`, `[:]`, ranges covering every dimension).
 pub(super) fn covers(plan: &slice::SlicePlan, info: &TensorInfo) -> bool {
     plan.shape == info.shape && plan.nbytes == info.nbytes()
 }

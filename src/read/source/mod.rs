@@ -27,6 +27,7 @@ mod ranges;
 mod tensors;
 
 pub use digests::hash_files;
+pub use ranges::Part;
 pub(crate) use ranges::read_data_ranges;
 pub(crate) use tensors::{Target, Tensors, check_fits, read_or_map, read_targets};
 
@@ -66,6 +67,9 @@ pub struct Source {
     direct: OnceLock<Option<Uncached>>,
     /// The file's SHA-256 so far, when started.
     hash: filehash::Slot,
+    /// Set once parts of the file are read by range: the kernel is told to read only what is
+    /// asked (`platform::advise_random`).
+    exact: std::sync::Once,
 }
 
 impl Source {
@@ -118,6 +122,7 @@ impl Source {
             map: OnceLock::new(),
             direct: OnceLock::new(),
             hash: filehash::Slot::default(),
+            exact: std::sync::Once::new(),
         })
     }
 

@@ -10,98 +10,196 @@ use crate::read::plan::Plan;
 use crate::read::strategy::Strategy;
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
+use crate::platform;
 
-/// Slices with runs at least this long are read straight into the output; shorter runs are
-/// gathered from one read of the span around them.
+/// Runs at least this long are read straight into the slice; shorter ones are gathered from one
+/// read of the span around them.
 const IN_PLACE_RUN_BYTES: usize = 64 << 10;
-/// Small runs closer than this are read together.
+/// A gathered span reads across gaps no longer than this...
 const GATHER_GAP_BYTES: usize = 16 << 10;
+/// ...and only while the gaps it reads add at most 1/16 of the bytes it wants (a part of a
+/// file never reads more than 6.25% beyond its bytes for its gaps), where they are not inside
+/// pages the span touches anyway.
+const GATHER_GAP_SHARE: usize = 16;
+/// The longest gathered span.
+const GATHER_SPAN_BYTES: u64 = 4 << 20;
+
+/// What a slice read gives.
+pub enum Part {
+    /// The slice's bytes, in its shape.
+    Bytes(TensorBytes),
+    /// The whole tensor, a view of the map, for the caller to index into a view of its own (as
+    /// 0.8's slices of a map are): only when asked for (`views`) and the slice is not one run.
+    Whole(TensorBytes),
+}
 
 impl Source {
-    /// The rows of `plan` (a slice of tensor `info`) in a new buffer: cut out of the map under
-    /// `Mmap` (nothing read), else read, the long ones with `strategy` (Pread or Direct); returns
-    /// it and the read's report (the bytes read from the file, gathered spans included).
+    /// The rows of `plan` (a slice of tensor `info`): under `Mmap` a view of the map (nothing
+    /// read) when the slice is one run, else the whole tensor's view where the caller indexes
+    /// views (`views`), else cut out of the map; under `Pread` / `Direct` exactly the ranges it
+    /// needs, read by the worker pool in file order (see [`gather`]), with the kernel told not to
+    /// read around them (`platform::advise_random`). Returns it and the read's report (the bytes
+    /// read from the file, gaps read across included).
     pub fn read_slice(
         &self,
         info: &TensorInfo,
         plan: &SlicePlan,
         strategy: Strategy,
+        views: bool,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(TensorBytes, ReadCounts)> {
+    ) -> Result<(Part, ReadCounts)> {
         if strategy == Strategy::Mmap {
-            let part = buffer::cut(plan, &self.map_tensor(info)?)?;
+            let whole = self.map_tensor(info)?;
+            let part = match one_run(plan) {
+                Some(at) => Part::Bytes(whole.sub(at, plan.nbytes)),
+                None if views => Part::Whole(whole),
+                None => Part::Bytes(buffer::cut(plan, &whole)?),
+            };
             return Ok((part, ReadCounts::default()));
+        }
+        if let Some(file) = self.backing.file() {
+            self.exact.call_once(|| platform::advise_random(file));
         }
         let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
             .pop()
             .expect("one size, one buffer");
         let base = self.header.data_start() + info.begin as u64;
-        let mut in_place = Plan::new(chunk_bytes(&[self], opts));
-        // Small runs: (file offset, destination), gathered by span below.
-        let mut small: Vec<(u64, &mut [u8])> = Vec::new();
+        // Every run, in file order: (file offset, destination).
+        let mut runs: Vec<(u64, &mut [u8])> = Vec::new();
         let mut rest: &mut [u8] = out.as_mut_slice();
         for row in &plan.rows {
             for r in 0..row.count {
-                let at = base + (row.offset + r * row.stride_bytes) as u64;
                 let (dest, tail) = std::mem::take(&mut rest).split_at_mut(row.run_bytes);
                 rest = tail;
-                if row.run_bytes >= IN_PLACE_RUN_BYTES || (row.count == 1 && row.run_bytes >= 4096)
-                {
-                    in_place.add(0, at, dest, &info.name);
-                } else {
-                    small.push((at, dest));
-                }
+                runs.push((base + (row.offset + r * row.stride_bytes) as u64, dest));
             }
         }
-        let gathered = self.gather_small(info, &mut small)?;
-        drop(small);
-        let mut report = execute(&[self], &in_place, &[strategy], opts, poll)?;
-        drop(in_place);
-        report.bytes += gathered;
-        Ok((out.into_shared(), report))
+        let page = self.backing.file().map_or(0, |_| platform::page_size() as u64);
+        let spans = gather(&runs, page);
+        let mut scratch = vec![0u8; spans.iter().filter(|s| s.gathers()).map(|s| s.len).sum()];
+        let mut read = Plan::new(chunk_bytes(&[self], opts));
+        let mut free: &mut [u8] = &mut scratch;
+        let mut gathered: Vec<(&Span, &[u8])> = Vec::new();
+        let mut runs = runs.into_iter();
+        let mut held = Vec::new();
+        for span in &spans {
+            if span.gathers() {
+                let (into, tail) = std::mem::take(&mut free).split_at_mut(span.len);
+                free = tail;
+                read.add(0, span.at, into, &info.name);
+                held.push(span);
+                for _ in span.runs.clone() {
+                    runs.next(); // its runs are copied out of `into` below
+                }
+            } else {
+                let (at, dest) = runs.next().expect("a span per run or more");
+                read.add(0, at, dest, &info.name);
+            }
+        }
+        drop(runs);
+        let report = execute(&[self], &read, &[strategy], opts, poll)?;
+        drop(read);
+        let mut at = 0;
+        for span in held {
+            gathered.push((span, &scratch[at..at + span.len]));
+            at += span.len;
+        }
+        scatter(&gathered, plan, out.as_mut_slice(), base);
+        Ok((Part::Bytes(out.into_shared()), report))
     }
+}
 
-    /// Reads small runs (file offset, destination), in file order, a span of neighbours at a
-    /// time into a scratch buffer, and copies each run out; returns the bytes read.
-    fn gather_small(&self, info: &TensorInfo, runs: &mut [(u64, &mut [u8])]) -> Result<u64> {
-        let mut read = 0u64;
-        let mut scratch = Vec::new();
-        let mut i = 0;
-        while i < runs.len() {
-            let start = runs[i].0;
-            let mut end_run = i;
-            let mut span_end = start + runs[i].1.len() as u64;
-            while end_run + 1 < runs.len() {
-                let (next_at, ref next) = runs[end_run + 1];
-                let next_end = next_at + next.len() as u64;
-                if next_at < span_end
-                    || next_at - span_end > GATHER_GAP_BYTES as u64
-                    || next_end - start > (4 << 20)
-                {
-                    break;
+/// Where a slice that is one run of its tensor's bytes starts (None: several runs).
+fn one_run(plan: &SlicePlan) -> Option<usize> {
+    match plan.rows.as_slice() {
+        [row] if row.count <= 1 || row.stride_bytes == row.run_bytes => Some(row.offset),
+        [] => Some(0),
+        _ => None,
+    }
+}
+
+/// One read of a slice: `len` bytes at `at`, holding `runs` (indices into the slice's runs, in
+/// file order).
+#[derive(Debug, PartialEq, Eq)]
+struct Span {
+    at: u64,
+    len: usize,
+    runs: std::ops::Range<usize>,
+}
+
+impl Span {
+    /// Whether it is read into scratch memory and its runs copied out (several runs, or a short
+    /// one); else its one run is read straight into the slice.
+    fn gathers(&self) -> bool {
+        self.runs.len() > 1 || self.len < IN_PLACE_RUN_BYTES
+    }
+}
+
+/// The reads of a slice's `runs` (file offset, destination; in file order): long runs alone,
+/// short neighbours in one span across the gaps between them, where a gap lies in pages the
+/// span touches anyway (`page`, 0 where reads are not of pages: an object in a store) or the
+/// gaps it reads stay short and under 1/16 of the bytes it wants (never more than
+/// [`GATHER_SPAN_BYTES`]). So a part of a file never costs the disk or the wire pages beyond
+/// those its runs touch, or 6.25% beyond its bytes.
+fn gather(runs: &[(u64, &mut [u8])], page: u64) -> Vec<Span> {
+    let mut spans: Vec<Span> = Vec::new();
+    let mut gaps = 0u64;
+    let mut wanted = 0u64;
+    for (i, (at, dest)) in runs.iter().enumerate() {
+        let len = dest.len() as u64;
+        if let Some(span) = spans.last_mut() {
+            let end = span.at + span.len as u64;
+            let gap = at.checked_sub(end);
+            let in_touched_pages = page > 0 && gap.is_some() && at / page <= end.div_ceil(page);
+            let small = gap.is_some_and(|g| {
+                g <= GATHER_GAP_BYTES as u64 && (gaps + g) * GATHER_GAP_SHARE as u64 <= wanted + len
+            });
+            let short = (len as usize) < IN_PLACE_RUN_BYTES && span.gathers();
+            let fits = at + len - span.at <= GATHER_SPAN_BYTES;
+            if let Some(gap) = gap
+                && short
+                && fits
+                && (in_touched_pages || small)
+            {
+                if !in_touched_pages {
+                    gaps += gap;
                 }
-                end_run += 1;
-                span_end = next_end;
+                wanted += len;
+                span.len = (at + len - span.at) as usize;
+                span.runs.end = i + 1;
+                continue;
             }
-            scratch.resize((span_end - start) as usize, 0);
-            (self.backing.read_exact_at(&mut scratch, start)).map_err(|(kept, source)| {
-                Error::Read {
-                    path: self.path.clone(),
-                    tensor: info.name.clone(),
-                    offset: start + kept as u64,
-                    source,
-                }
-            })?;
-            for (at, dest) in runs[i..=end_run].iter_mut() {
-                let from = (*at - start) as usize;
-                dest.copy_from_slice(&scratch[from..from + dest.len()]);
-            }
-            read += scratch.len() as u64;
-            i = end_run + 1;
         }
-        Ok(read)
+        (gaps, wanted) = (0, len);
+        spans.push(Span {
+            at: *at,
+            len: len as usize,
+            runs: i..i + 1,
+        });
+    }
+    spans
+}
+
+/// Copies each gathered span's runs (`spans`, with the bytes read for them) into `out`, the
+/// slice laid out by `plan` (whose runs start `base` bytes into the file).
+fn scatter(spans: &[(&Span, &[u8])], plan: &SlicePlan, out: &mut [u8], base: u64) {
+    // The k-th run of the slice: where it is in the file and in `out`.
+    let mut index = Vec::new();
+    let mut into = 0usize;
+    for row in &plan.rows {
+        for r in 0..row.count {
+            index.push((base + (row.offset + r * row.stride_bytes) as u64, into, row.run_bytes));
+            into += row.run_bytes;
+        }
+    }
+    for (span, bytes) in spans {
+        for k in span.runs.clone() {
+            let (at, into, len) = index[k];
+            let from = (at - span.at) as usize;
+            out[into..into + len].copy_from_slice(&bytes[from..from + len]);
+        }
     }
 }
 
