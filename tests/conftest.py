@@ -10,7 +10,10 @@ import json
 import os
 import random
 import struct
+import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import numpy as np
@@ -295,3 +298,25 @@ def run_ranks(worker: Any, world: int, tmp: str, args: tuple, join_seconds: floa
         with open(os.path.join(tmp, f"result-{r}.json")) as f:
             out.append(json.load(f))
     return out
+
+
+@pytest.fixture(scope="module")
+def fresh_env(tmp_path_factory) -> Dict[str, str]:
+    """A throwaway venv that sees this one's packages, with the hook installed into *its*
+    site-packages by ``python -m safeload patch-install``."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = str(root / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    # processed before safeload_autopatch.pth ("_" sorts first): this venv's packages, their .pth
+    # files included (an editable safeload's among them)
+    Path(site, "_base_for_test.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("SAFELOAD_PATCH", "SAFELOAD_BACKEND")}
+    out = subprocess.run([python, "-m", "safeload", "patch-install"], check=True, capture_output=True,
+                         text=True, env=env, cwd=str(root)).stdout
+    patch_module = sys.modules["safeload.patch"]  # `safeload.patch` is the function
+    assert os.path.join(site, patch_module.PTH_NAME) in out
+    assert Path(site, patch_module.PTH_NAME).read_text().strip() == patch_module.PTH_LINE
+    return {"python": python, "site": site, "env": env}  # type: ignore[dict-item]

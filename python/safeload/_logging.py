@@ -6,7 +6,9 @@
 
 Each ``get_tensors`` / ``load_file`` / ``load_checkpoint`` / ``iter_checkpoint`` (once exhausted) /
 ``load_into`` / ``load_model`` then logs one line: backend, threads, chunk size, bytes read, time
-and rate. Costs one ``isEnabledFor`` check when DEBUG is off.
+and rate; a ``safe_open`` handle logs its totals (slices and ``get_tensor`` included) when it
+closes. The record's ``safeload_read`` attribute holds the same fields as a dict (with ``what``
+and ``path``), for handlers that count. Costs one ``isEnabledFor`` check when DEBUG is off.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def log_read(path: Any, stats_like: Any, what: str = "read") -> None:
         logger.debug(
             "%s %s: backend=%s threads=%s chunk=%s read=%s in %.3fs (%.2f GiB/s)%s",
             what, where, f["backend"], f["threads"], chunk, _size(nbytes), seconds, rate, storage,
+            extra={"safeload_read": dict(f, what=what, path=where)},
         )
         log_memory()
     except Exception:  # noqa: BLE001 - logging must never break a load

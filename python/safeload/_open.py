@@ -79,10 +79,15 @@ class safe_open:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._handle.close()
+        self.close()
 
     def close(self) -> None:
+        """Closes the file; at DEBUG, logs what this handle read in all (its slices included)."""
+        if self._handle.closed:
+            return
+        path = self._handle.path
         self._handle.close()
+        _logging.log_read(path, self._handle.stats(), "close")
 
     def keys(self) -> List[str]:
         """Tensor names, sorted."""
