@@ -454,7 +454,8 @@ impl Checkpoint {
     }
 
     /// Part `plan` of tensor `info` of shard `shard`, by the plan for parts (`Purpose::Parts`:
-    /// a map's view or cut, or exactly the ranges it needs read); `views`: the caller indexes
+    /// a map's view or cut, its pages asked of the kernel where the map is not resident; or
+    /// exactly the ranges it needs read); `views`: the caller indexes
     /// views, so a slice of a map that is not one run comes back as the whole tensor's view
     /// ([`Part::Whole`]). A pinned shard's part is cut from its hashed bytes.
     pub fn read_slice(
@@ -473,7 +474,7 @@ impl Checkpoint {
             return Ok((Part::Bytes(part?), stats));
         }
         let source = &self.shards[shard];
-        let (part, report) = source.read_slice(info, plan, how.strategy, views, &self.opts, poll)?;
+        let (part, report) = source.read_slice(info, plan, how, views, &self.opts, poll)?;
         Ok((part, self.record(how, &report)))
     }
 

@@ -50,6 +50,10 @@ pub fn advise_random(file: &File) {
     unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDAHEAD, 0) };
 }
 
+pub fn advise_normal(file: &File) {
+    advise_sequential(file) // F_RDAHEAD on: the default
+}
+
 /// macOS has no call that evicts one file's pages (`posix_fadvise` does not exist); reads made
 /// through [`open_uncached`] do not fill the cache in the first place.
 pub fn drop_cache(_file: &File) {}

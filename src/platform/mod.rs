@@ -175,6 +175,19 @@ pub fn advise_random(file: &File) {
     os::advise_random(file)
 }
 
+/// Faults in `map` (a file's) read the page they need, nothing around it (a hint).
+pub fn advise_map_random(map: &memmap2::MmapMut) {
+    #[cfg(unix)]
+    let _ = map.advise(memmap2::Advice::Random);
+    #[cfg(not(unix))]
+    let _ = map; // Windows: the memory manager's read-around has no per-view advice
+}
+
+/// Undoes [`advise_random`]: `file` is read ahead again as the OS sees fit (a hint).
+pub fn advise_normal(file: &File) {
+    os::advise_normal(file)
+}
+
 /// Drops a file's clean pages from the page cache where the OS allows it (a hint).
 pub fn drop_cache(file: &File) {
     os::drop_cache(file)

@@ -109,6 +109,8 @@ pub fn advise_sequential(_file: &File) {}
 /// open handle.
 pub fn advise_random(_file: &File) {}
 
+pub fn advise_normal(_file: &File) {}
+
 /// Windows has no call that evicts one file's pages.
 pub fn drop_cache(_file: &File) {}
 

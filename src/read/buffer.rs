@@ -47,6 +47,14 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
+    /// A file's map: its faults read the page they need, nothing around it (parts of the file
+    /// are read by range: `read::source::Source::read_slice`). Nothing for other memory.
+    pub fn advise_random(&self) {
+        if let Region::Map { map, .. } = self {
+            crate::platform::advise_map_random(map);
+        }
+    }
+
     /// `len` bytes, 64-byte aligned (2 MiB and huge pages when large), initialised (zeroed, or an
     /// earlier load's bytes when pooled memory is reused).
     pub fn alloc(len: usize) -> std::io::Result<Region> {

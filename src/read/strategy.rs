@@ -199,10 +199,6 @@ pub enum Purpose {
 ///   copies read instead: from the page cache when warm (pread), around it when cold (uncached
 ///   reads keep the disk's queue full where buffered reads wait on readahead a window at a time:
 ///   docs/backends.md, "Reading into a model"). Not measured (no residency known): pread.
-/// - Parts of a cold map are read, exactly the ranges they need, with pread: faulting them
-///   in would leave the bytes to the kernel's read-around, which reads the rows around each
-///   part (another rank's, in a tensor-parallel load) into the page cache. Warm (or not
-///   measured), they are cut out of the map, as 0.8's are.
 /// - Uncached reads the filesystem refused (`direct_refused`, seen by an earlier read): pread.
 /// - Otherwise what was resolved (`pread`, `direct`) reads for every purpose.
 fn for_purpose(
@@ -215,10 +211,6 @@ fn for_purpose(
         (Strategy::Mmap, Purpose::Copies) => match cached {
             Some(fraction) if fraction < COLD_BELOW => Strategy::Direct,
             _ => Strategy::Pread,
-        },
-        (Strategy::Mmap, Purpose::Parts) => match cached {
-            Some(fraction) if fraction < COLD_BELOW => Strategy::Pread,
-            _ => Strategy::Mmap,
         },
         (strategy, _) => strategy,
     };
@@ -283,13 +275,17 @@ pub struct Known {
 /// - Read ahead: nothing for views, parts and copies asked together, nor for a pinned file.
 ///   A mapped file's pages, for every tensor of it (`All`), tensors pulled one at a time (`Pulls`)
 ///   or a prefetch: made resident where they are not ([`populate_ahead`]), else nothing (views
-///   of resident pages need nothing). Owned reads pulled one at a time or prefetched: read into
+///   of resident pages need nothing). Parts of a map that is not resident (`get_slice(k)[...]`,
+///   a tensor-parallel rank's slices): exactly the pages each part touches, asked of the kernel
+///   as the part is handed out, never the rows around it (as the map's faults would read:
+///   `read::source::Source::read_slice`; the residency is the one measured at resolve). Owned reads pulled one at a time or prefetched: read into
 ///   owned memory ahead of the asks. Provided destinations are read into as the caller provides
 ///   them.
 pub fn plan(known: &Known, purpose: Purpose, cached_now: impl FnOnce() -> Option<f64>) -> Plan {
     let strategy = strategy_of(known, purpose);
     let ahead = match (purpose, strategy) {
         _ if known.pinned => None,
+        (Purpose::Parts, Strategy::Mmap) => populate_ahead(known.cached).then_some(Mode::PageCache),
         (Purpose::Views | Purpose::Parts | Purpose::Copies, _) => None,
         (Purpose::Provided, _) => Some(Mode::Provided),
         (Purpose::All | Purpose::Pulls | Purpose::Prefetch, Strategy::Mmap) => {
@@ -512,9 +508,7 @@ mod tests {
             (Mmap, Some(1.0), Views, false, Mmap),
             (Mmap, Some(0.0), Views, false, Mmap),
             (Mmap, None, Parts, false, Mmap),
-            (Mmap, Some(1.0), Parts, false, Mmap),
-            (Mmap, Some(0.6), Parts, false, Mmap),
-            (Mmap, Some(0.2), Parts, false, Pread),
+            (Mmap, Some(0.2), Parts, false, Mmap),
             (Mmap, Some(1.0), Copies, false, Pread),
             (Mmap, Some(0.2), Copies, false, Direct),
             (Mmap, Some(0.2), Copies, true, Pread),
@@ -556,13 +550,14 @@ mod tests {
             Strategy,
             Option<Mode>,
         );
-        let table: [Case; 33] = [
-            // Views, parts and copies asked together: nothing read ahead. Parts of a cold map
-            // are read (exactly their ranges), of a warm one cut out of it.
+        let table: [Case; 34] = [
+            // Views, parts and copies asked together: nothing read ahead; but parts of a map
+            // not resident, whose own pages are asked of the kernel as they are handed out.
             (Mmap, cold, Views, false, false, Mmap, None),
-            (Mmap, cold, Parts, false, false, Pread, None),
+            (Mmap, cold, Parts, false, false, Mmap, page),
             (Mmap, resident, Parts, false, false, Mmap, None),
-            (Mmap, None, Parts, false, false, Mmap, None),
+            (Mmap, None, Parts, false, false, Mmap, page),
+            (Pread, cold, Parts, false, false, Pread, None),
             (Mmap, cold, Copies, false, false, Direct, None),
             (Mmap, resident, Copies, false, false, Pread, None),
             (Mmap, None, Copies, false, false, Pread, None),

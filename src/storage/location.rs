@@ -26,7 +26,10 @@ pub struct Opened {
 
 impl Opened {
     /// Reads on in [`Opened::start`] to its first `upto` bytes (fewer where it ends before);
-    /// what is there already is not read again. An error as [`open`] gives it.
+    /// what is there already is not read again. An error as [`open`] gives it. A file's start
+    /// is read exactly, the kernel told not to read around it: a read-ahead there leaves pages
+    /// marked to read further ahead when touched, and the file's first tensors, read later by
+    /// range (a tensor-parallel rank's slices), would then read on through the rows around them.
     pub fn read_start(&mut self, at: &Path, upto: usize) -> Result<()> {
         let upto = upto.min(usize::try_from(self.len).unwrap_or(usize::MAX));
         let have = self.start.len();
@@ -34,9 +37,15 @@ impl Opened {
             return Ok(());
         }
         self.start.resize(upto, 0);
+        if let Some(file) = self.backing.file() {
+            platform::advise_random(file);
+        }
         let read = self
             .backing
             .read_fully_at(&mut self.start[have..], have as u64);
+        if let Some(file) = self.backing.file() {
+            platform::advise_normal(file);
+        }
         let got = read.map_err(|e| failed(&self.backing, at, e))?;
         self.start.truncate(have + got);
         Ok(())

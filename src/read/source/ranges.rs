@@ -7,7 +7,7 @@ use crate::format::slice::SlicePlan;
 use crate::read::buffer::{self, TensorBytes};
 use crate::read::engine::ReadCounts;
 use crate::read::plan::Plan;
-use crate::read::strategy::Strategy;
+use crate::read::strategy::{Mode, Plan as ReadPlan, Strategy};
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
 use crate::platform;
@@ -34,81 +34,112 @@ pub enum Part {
 }
 
 impl Source {
-    /// The rows of `plan` (a slice of tensor `info`): under `Mmap` a view of the map (nothing
-    /// read) when the slice is one run, else the whole tensor's view where the caller indexes
-    /// views (`views`), else cut out of the map; under `Pread` / `Direct` exactly the ranges it
-    /// needs, read by the worker pool in file order (see [`gather`]), with the kernel told not to
-    /// read around them (`platform::advise_random`). Returns it and the read's report (the bytes
-    /// read from the file, gaps read across included).
+    /// The rows of `plan` (a slice of tensor `info`) as the read plan `how` says (see
+    /// `strategy::plan`, `Purpose::Parts`):
+    ///
+    /// - `Mmap`: a view of the map when the slice is one run, else the whole tensor's view where
+    ///   the caller indexes views (`views`), else cut out of the map. Where the plan reads ahead
+    ///   (`Mode::PageCache`: the file is not resident), the kernel is first asked for exactly the
+    ///   pages the slice touches, all at once ([`gather`]'s spans), and told not to read around
+    ///   them when they are touched: the caller's touches then wait on the disk's full queue, and
+    ///   nothing another rank needs is read. Those bytes count as read.
+    /// - `Pread` / `Direct`: exactly the ranges it needs, asked of the kernel at once, read by the
+    ///   worker pool in file order into the slice (short runs through a span around them).
+    ///
+    /// Returns it and the read's report (the bytes read, gaps read across included).
     pub fn read_slice(
         &self,
         info: &TensorInfo,
         plan: &SlicePlan,
-        strategy: Strategy,
+        how: ReadPlan,
         views: bool,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Part, ReadCounts)> {
-        if strategy == Strategy::Mmap {
+        let base = self.header.data_start() + info.begin as u64;
+        let runs = runs(plan, base);
+        let page = self.backing.file().map_or(0, |_| platform::page_size() as u64);
+        let spans = gather(&runs, page);
+        if how.strategy == Strategy::Mmap {
             let whole = self.map_tensor(info)?;
+            let mut report = ReadCounts::default();
+            if how.ahead == Some(Mode::PageCache) {
+                self.read_exactly(whole.region());
+                report.bytes = self.prefetch_spans(&spans);
+            }
             let part = match one_run(plan) {
                 Some(at) => Part::Bytes(whole.sub(at, plan.nbytes)),
                 None if views => Part::Whole(whole),
                 None => Part::Bytes(buffer::cut(plan, &whole)?),
             };
-            return Ok((part, ReadCounts::default()));
+            return Ok((part, report));
         }
-        if let Some(file) = self.backing.file() {
-            self.exact.call_once(|| platform::advise_random(file));
+        self.read_exactly(None);
+        if how.strategy == Strategy::Pread {
+            self.prefetch_spans(&spans);
         }
         let mut out = buffer::allocate(&[plan.nbytes])
             .map_err(|e| self.read_err(info, e))?
             .pop()
             .expect("one size, one buffer");
-        let base = self.header.data_start() + info.begin as u64;
-        // Every run, in file order: (file offset, destination).
-        let mut runs: Vec<(u64, &mut [u8])> = Vec::new();
-        let mut rest: &mut [u8] = out.as_mut_slice();
-        for row in &plan.rows {
-            for r in 0..row.count {
-                let (dest, tail) = std::mem::take(&mut rest).split_at_mut(row.run_bytes);
-                rest = tail;
-                runs.push((base + (row.offset + r * row.stride_bytes) as u64, dest));
-            }
-        }
-        let page = self.backing.file().map_or(0, |_| platform::page_size() as u64);
-        let spans = gather(&runs, page);
         let mut scratch = vec![0u8; spans.iter().filter(|s| s.gathers()).map(|s| s.len).sum()];
         let mut read = Plan::new(chunk_bytes(&[self], opts));
-        let mut free: &mut [u8] = &mut scratch;
-        let mut gathered: Vec<(&Span, &[u8])> = Vec::new();
-        let mut runs = runs.into_iter();
-        let mut held = Vec::new();
+        let (mut free, mut rest): (&mut [u8], &mut [u8]) = (&mut scratch, out.as_mut_slice());
         for span in &spans {
+            let len = runs[span.runs.clone()].iter().map(|r| r.1).sum();
+            let (dest, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
             if span.gathers() {
                 let (into, tail) = std::mem::take(&mut free).split_at_mut(span.len);
                 free = tail;
                 read.add(0, span.at, into, &info.name);
-                held.push(span);
-                for _ in span.runs.clone() {
-                    runs.next(); // its runs are copied out of `into` below
-                }
             } else {
-                let (at, dest) = runs.next().expect("a span per run or more");
-                read.add(0, at, dest, &info.name);
+                read.add(0, span.at, dest, &info.name);
             }
         }
-        drop(runs);
-        let report = execute(&[self], &read, &[strategy], opts, poll)?;
+        let report = execute(&[self], &read, &[how.strategy], opts, poll)?;
         drop(read);
-        let mut at = 0;
-        for span in held {
-            gathered.push((span, &scratch[at..at + span.len]));
-            at += span.len;
-        }
-        scatter(&gathered, plan, out.as_mut_slice(), base);
+        scatter(&spans, &runs, &scratch, out.as_mut_slice());
         Ok((Part::Bytes(out.into_shared()), report))
     }
+
+    /// From the first part read by range on: the kernel reads what is asked, nothing around it,
+    /// for this file's reads and for faults in its map (`region`, when the part is a view).
+    fn read_exactly(&self, region: Option<&std::sync::Arc<buffer::Region>>) {
+        let Some(file) = self.backing.file() else {
+            return;
+        };
+        self.exact.call_once(|| {
+            platform::advise_random(file);
+            if let Some(region) = region {
+                region.advise_random();
+            }
+        });
+    }
+
+    /// Asks the kernel for every span now, in file order, without waiting (`platform::prefetch`:
+    /// exactly their pages, since the file reads at random); the bytes asked.
+    fn prefetch_spans(&self, spans: &[Span]) -> u64 {
+        let Some(file) = self.backing.file() else {
+            return 0;
+        };
+        for span in spans {
+            platform::prefetch(file, span.at, span.len as u64);
+        }
+        spans.iter().map(|s| s.len as u64).sum()
+    }
+}
+
+/// Every run of a slice, in output (and file) order: (file offset, bytes); the tensor's data
+/// starts `base` bytes into the file.
+fn runs(plan: &SlicePlan, base: u64) -> Vec<(u64, usize)> {
+    let mut runs = Vec::new();
+    for row in &plan.rows {
+        for r in 0..row.count {
+            runs.push((base + (row.offset + r * row.stride_bytes) as u64, row.run_bytes));
+        }
+    }
+    runs
 }
 
 /// Where a slice that is one run of its tensor's bytes starts (None: several runs).
@@ -143,12 +174,12 @@ impl Span {
 /// gaps it reads stay short and under 1/16 of the bytes it wants (never more than
 /// [`GATHER_SPAN_BYTES`]). So a part of a file never costs the disk or the wire pages beyond
 /// those its runs touch, or 6.25% beyond its bytes.
-fn gather(runs: &[(u64, &mut [u8])], page: u64) -> Vec<Span> {
+fn gather(runs: &[(u64, usize)], page: u64) -> Vec<Span> {
     let mut spans: Vec<Span> = Vec::new();
     let mut gaps = 0u64;
     let mut wanted = 0u64;
-    for (i, (at, dest)) in runs.iter().enumerate() {
-        let len = dest.len() as u64;
+    for (i, &(at, len)) in runs.iter().enumerate() {
+        let len = len as u64;
         if let Some(span) = spans.last_mut() {
             let end = span.at + span.len as u64;
             let gap = at.checked_sub(end);
@@ -174,7 +205,7 @@ fn gather(runs: &[(u64, &mut [u8])], page: u64) -> Vec<Span> {
         }
         (gaps, wanted) = (0, len);
         spans.push(Span {
-            at: *at,
+            at,
             len: len as usize,
             runs: i..i + 1,
         });
@@ -182,23 +213,21 @@ fn gather(runs: &[(u64, &mut [u8])], page: u64) -> Vec<Span> {
     spans
 }
 
-/// Copies each gathered span's runs (`spans`, with the bytes read for them) into `out`, the
-/// slice laid out by `plan` (whose runs start `base` bytes into the file).
-fn scatter(spans: &[(&Span, &[u8])], plan: &SlicePlan, out: &mut [u8], base: u64) {
-    // The k-th run of the slice: where it is in the file and in `out`.
-    let mut index = Vec::new();
-    let mut into = 0usize;
-    for row in &plan.rows {
-        for r in 0..row.count {
-            index.push((base + (row.offset + r * row.stride_bytes) as u64, into, row.run_bytes));
-            into += row.run_bytes;
-        }
-    }
-    for (span, bytes) in spans {
-        for k in span.runs.clone() {
-            let (at, into, len) = index[k];
-            let from = (at - span.at) as usize;
-            out[into..into + len].copy_from_slice(&bytes[from..from + len]);
+/// Copies the runs of the gathered spans (read one after another into `scratch`) into `out`,
+/// the slice: its runs (`runs`, in order) laid end to end.
+fn scatter(spans: &[Span], runs: &[(u64, usize)], scratch: &[u8], out: &mut [u8]) {
+    let (mut from, mut into) = (0usize, 0usize);
+    for span in spans {
+        let wanted: usize = runs[span.runs.clone()].iter().map(|r| r.1).sum();
+        if span.gathers() {
+            for &(at, len) in &runs[span.runs.clone()] {
+                let k = from + (at - span.at) as usize;
+                out[into..into + len].copy_from_slice(&scratch[k..k + len]);
+                into += len;
+            }
+            from += span.len;
+        } else {
+            into += wanted;
         }
     }
 }
