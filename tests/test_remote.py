@@ -236,6 +236,38 @@ def test_get_slice_fetches_only_the_rows(http, big):
         assert http.data_bytes_served("/models/big.safetensors") == 4096
 
 
+def test_tensor_parallel_slices_fetch_their_bytes(http, root):
+    """A tensor-parallel rank's reads, as transformers' sharding asks them (row splits, column
+    splits whose runs are shorter than the gaps between them, a replicated norm ``[...]``): each
+    rank's slices equal 0.8's and fetch at most 1.10x their own bytes (counted by the server);
+    short runs are not read across the other rank's columns."""
+    os.makedirs(os.path.join(root, "models"), exist_ok=True)
+    path = os.path.join(root, "models", "tp.safetensors")
+    spec = {"q": ("BF16", (64, 256)), "o": ("BF16", (256, 64)), "down": ("BF16", (96, 344)),
+            "norm": ("BF16", (256,)), "up": ("F32", (200, 40))}
+    ref = _write(path, spec)
+    world = 2
+    for rank in range(world):
+        def share(name):
+            shape = spec[name][1]
+            if name == "norm":
+                return (Ellipsis,)
+            dim = 1 if name in ("o", "down") else 0
+            n = shape[dim] // world
+            cut = slice(rank * n, (rank + 1) * n)
+            return (slice(None), cut) if dim else (cut, slice(None))
+
+        with safeload.safe_open(f"{http.url}/models/tp.safetensors", "pt") as f:
+            http.reset()
+            wanted = 0
+            for name in spec:
+                got = f.get_slice(name)[share(name)]
+                assert_tensor_equal(got, ref[name][share(name)], name)
+                wanted += got.numel() * got.element_size()
+            served = http.data_bytes_served("/models/tp.safetensors")
+        assert wanted <= served <= 1.10 * wanted, (rank, served, wanted)
+
+
 def test_whole_file_fetched_once(http, big):
     """Open: one GET of the first 64 KiB (size and header); then every data byte once."""
     path, ref, data_start = big

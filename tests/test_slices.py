@@ -10,6 +10,9 @@ of range and non-empty lists raise under both (for pt the error is also torch's 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -398,3 +401,37 @@ def test_index_like_and_huge_keys(a_file, backend):
         with pytest.raises(SafetensorError, match="out of bounds") as e:
             f.get_slice("a")[:2**70]
         assert not isinstance(e.value, IndexError)  # numpy's strict rule: 0.8's plain error
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_slices_of_a_map_are_views_as_0_8s(tmp_path, cold):
+    """Under mmap (0.8's default, and what transformers asks for), a slice is a view of the
+    tensor's pages as 0.8's is: the same contiguity and strides, writes seen through the tensor
+    read before it, never through to the file; cold (evicted), the same, its pages asked of the
+    kernel exactly (counted as read), warm nothing read."""
+    src = {"w": make_tensor("F32", (64, 1024), 1), "n": make_tensor("BF16", (1024,), 2)}
+    path = str(tmp_path / "v.safetensors")
+    st_torch.save_file(src, path)
+    before = Path(path).read_bytes()
+    keys = [(slice(8, 40),), (slice(None), slice(256, 512)), (Ellipsis,), (3, slice(0, 100))]
+    with safetensors.safe_open(path, "pt") as ref:
+        want = [(k, ref.get_slice("w")[k]) for k in keys]
+    if cold:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    with safeload.safe_open(path, "pt", backend="mmap") as f:
+        whole = f.get_tensor("w")
+        for key, ref_part in want:
+            part = f.get_slice("w")[key]
+            assert_tensor_equal(part, ref_part, str(key))
+            assert (part.is_contiguous(), part.stride()) == (ref_part.is_contiguous(), ref_part.stride()), key
+        norm = f.get_slice("n")[...]
+        assert_tensor_equal(norm, src["n"])
+        part = f.get_slice("w")[:, 256:512]
+        read = f.stats.bytes_read
+    part.fill_(7.0)
+    assert torch.equal(whole[:, 256:512], part)  # one map, as 0.8's
+    assert Path(path).read_bytes() == before
+    assert (read > 0) == cold

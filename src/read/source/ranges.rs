@@ -274,3 +274,82 @@ pub fn read_data_ranges(
     }
     execute(&[source], &plan, &[strategy], opts, poll)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: u64 = 4096;
+
+    /// (first run, last run + 1, span start, span length) of each span.
+    fn spans(runs: &[(u64, usize)], page: u64) -> Vec<(usize, usize, u64, usize)> {
+        gather(runs, page)
+            .into_iter()
+            .map(|s| (s.runs.start, s.runs.end, s.at, s.len))
+            .collect()
+    }
+
+    #[test]
+    fn gaps_inside_touched_pages_are_read_across_and_whole_pages_are_not() {
+        // A column half of rows of 8 KiB from an unaligned start: every gap lies in pages the
+        // runs touch, so one span reads them all.
+        let half: Vec<(u64, usize)> = (0..8).map(|r| (100 + r * 8192, 4096)).collect();
+        assert_eq!(spans(&half, PAGE), [(0, 8, 100, 7 * 8192 + 4096)]);
+        // Rows of 22016 bytes, half of each: 11008-byte gaps span whole pages no run touches.
+        let wide: Vec<(u64, usize)> = (0..4).map(|r| (r * 22016, 11008)).collect();
+        let got = spans(&wide, PAGE);
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert!(got.iter().all(|&(a, b, _, len)| b == a + 1 && len == 11008));
+    }
+
+    #[test]
+    fn an_object_reads_a_gap_only_when_small_beside_what_it_wants() {
+        // No pages (a store): 64-byte gaps beside 4 KiB runs (1/64) are read across...
+        let close: Vec<(u64, usize)> = (0..4).map(|r| (r * (4096 + 64), 4096)).collect();
+        assert_eq!(spans(&close, 0), [(0, 4, 0, 3 * (4096 + 64) + 4096)]);
+        // ...a gap as long as the runs is not (it would double what is fetched).
+        let half: Vec<(u64, usize)> = (0..4).map(|r| (r * 256, 128)).collect();
+        assert_eq!(spans(&half, 0).len(), 4);
+        // Nor across a gap longer than GATHER_GAP_BYTES, however much is wanted.
+        let far = [(0, 60_000), (60_000 + 20_000, 100)];
+        assert_eq!(spans(&far, 0).len(), 2);
+    }
+
+    #[test]
+    fn long_runs_are_read_alone_and_spans_stop_at_their_limit() {
+        let long = [(0u64, IN_PLACE_RUN_BYTES), (IN_PLACE_RUN_BYTES as u64 + 8, 100)];
+        let got = gather(&long, PAGE);
+        assert_eq!(got.len(), 2);
+        assert!(!got[0].gathers() && got[1].gathers());
+        // Short runs back to back: spans no longer than GATHER_SPAN_BYTES.
+        let many: Vec<(u64, usize)> = (0..1024).map(|r| (r * 8192, 8192)).collect();
+        let got = gather(&many, PAGE);
+        assert_eq!(got.len(), 2);
+        assert!(got.iter().all(|s| s.len as u64 <= GATHER_SPAN_BYTES));
+        assert_eq!(got.iter().map(|s| s.runs.len()).sum::<usize>(), 1024);
+    }
+
+    #[test]
+    fn scattered_runs_land_in_slice_order() {
+        // Two gathered spans around a run read in place: the slice gets each run's bytes.
+        let file: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let runs = [(10u64, 5), (20, 5), (1000, IN_PLACE_RUN_BYTES), (150_000, 7)];
+        let spans = gather(&runs, PAGE);
+        assert_eq!(spans.len(), 3);
+        let mut scratch = Vec::new();
+        for s in spans.iter().filter(|s| s.gathers()) {
+            scratch.extend_from_slice(&file[s.at as usize..s.at as usize + s.len]);
+        }
+        let total: usize = runs.iter().map(|r| r.1).sum();
+        let mut out = vec![0u8; total];
+        scatter(&spans, &runs, &scratch, &mut out);
+        let want: Vec<u8> = runs
+            .iter()
+            .flat_map(|&(at, len)| file[at as usize..at as usize + len].to_vec())
+            .collect();
+        // The in-place run is the reader's to fill: zero here.
+        assert_eq!(out[..10], want[..10]);
+        assert!(out[10..10 + IN_PLACE_RUN_BYTES].iter().all(|&b| b == 0));
+        assert_eq!(out[10 + IN_PLACE_RUN_BYTES..], want[10 + IN_PLACE_RUN_BYTES..]);
+    }
+}
