@@ -211,12 +211,17 @@ def test_log_read(sample, caplog):
     # Each read line is followed by what the pool keeps and under which bound.
     messages = [r.getMessage() for r in caplog.records]
     memory = [m for m in messages if m.startswith("memory: ")]
-    assert len(memory) == 4 and all("pool keeps" in m and "available" in m for m in memory)
+    assert len(memory) == 5 and all("pool keeps" in m and "available" in m for m in memory)
     reads = [r for r in caplog.records if not r.getMessage().startswith("memory: ")]
-    # get_tensors logs its own read too: explicit, explicit, automatic, explicit.
-    first, second, automatic, third = (r.getMessage() for r in reads[-4:])
-    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-8:])
+    # get_tensors logs its own read too, and the handle its totals when it closes: explicit,
+    # explicit, automatic, explicit, close.
+    first, second, automatic, third, closed = (r.getMessage() for r in reads[-5:])
+    assert all(r.name == "safeload" and r.levelno == logging.DEBUG for r in caplog.records[-10:])
     assert automatic == third
+    assert closed.startswith(f"close {sample}: backend=pread") and "read=" in closed
+    # The record carries the fields too, for handlers that count.
+    record = reads[-1].safeload_read
+    assert record["what"] == "close" and record["bytes_read"] == f.stats.bytes_read > 0
     assert first == (f"get_tensors {sample}: backend=pread threads=4 chunk=1.00 MiB read=3.00 GiB in 1.500s "
                      "(2.00 GiB/s) storage=ext4")
     assert second.startswith(f"load_checkpoint 2 files ({sample}, ...): backend=direct")

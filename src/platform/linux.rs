@@ -44,25 +44,29 @@ fn accepts_unaligned(file: &File) -> bool {
     }
 }
 
+pub fn prefetch(file: &File, offset: u64, len: u64) {
+    // SAFETY: advisory call on an open fd.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_WILLNEED,
+        )
+    };
+}
+
 /// `POSIX_FADV_WILLNEED` reads at most the file's read-ahead window (or the device's request
-/// size) per call and drops the rest: a longer range is asked in pieces no longer than the
+/// size) per call and drops the rest: [`prefetch_all`] asks in pieces no longer than the
 /// smallest usual window.
 const WILLNEED_PIECE: u64 = 128 << 10;
 
-pub fn prefetch(file: &File, offset: u64, len: u64) {
+pub fn prefetch_all(file: &File, offset: u64, len: u64) {
     let end = offset.saturating_add(len);
     let mut at = offset;
     while at < end {
         let piece = WILLNEED_PIECE.min(end - at);
-        // SAFETY: advisory call on an open fd.
-        unsafe {
-            libc::posix_fadvise(
-                file.as_raw_fd(),
-                at as libc::off_t,
-                piece as libc::off_t,
-                libc::POSIX_FADV_WILLNEED,
-            )
-        };
+        prefetch(file, at, piece);
         at += piece;
     }
 }

@@ -40,6 +40,11 @@ pub fn prefetch(file: &File, offset: u64, len: u64) {
     unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDADVISE, &advice) };
 }
 
+/// `F_RDADVISE` asks for the whole range in one call.
+pub fn prefetch_all(file: &File, offset: u64, len: u64) {
+    prefetch(file, offset, len)
+}
+
 pub fn advise_sequential(file: &File) {
     // SAFETY: fcntl on an open fd with an integer argument; advisory only.
     unsafe { libc::fcntl(file.as_raw_fd(), libc::F_RDAHEAD, 1) };

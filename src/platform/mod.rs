@@ -164,6 +164,13 @@ pub fn prefetch(file: &File, offset: u64, len: u64) {
     os::prefetch(file, offset, len)
 }
 
+/// Tells the OS to read all `len` bytes at `offset` into its cache now, without waiting for
+/// them (a hint): [`prefetch`] where one call asks for the whole range, else in pieces (Linux
+/// reads at most a read-ahead window per call).
+pub fn prefetch_all(file: &File, offset: u64, len: u64) {
+    os::prefetch_all(file, offset, len)
+}
+
 /// Tells the OS that `file` will be read front to back (larger read-ahead; a hint).
 pub fn advise_sequential(file: &File) {
     os::advise_sequential(file)

@@ -101,6 +101,8 @@ pub fn open_uncached(path: &Path) -> Option<Uncached> {
 /// sequential access by itself.
 pub fn prefetch(_file: &File, _offset: u64, _len: u64) {}
 
+pub fn prefetch_all(_file: &File, _offset: u64, _len: u64) {}
+
 /// Sequential access is a flag at open on Windows (`FILE_FLAG_SEQUENTIAL_SCAN`), not a hint
 /// for an open handle; the cache manager detects sequential reads by itself.
 pub fn advise_sequential(_file: &File) {}

@@ -419,7 +419,9 @@ impl Handle {
             Part::Bytes(bytes) => bytes,
             Part::Whole(whole) => {
                 let tensor = match importer {
-                    Some(importer) => importer.import(py, &Bytes::new(whole.clone()), code, &info.shape)?,
+                    Some(importer) => {
+                        importer.import(py, &Bytes::new(whole.clone()), code, &info.shape)?
+                    }
                     None => None,
                 };
                 match tensor {
@@ -434,6 +436,9 @@ impl Handle {
         {
             return Ok(tensor.unbind());
         }
-        Ok((code, plan.shape, bytes).into_pyobject(py)?.into_any().unbind())
+        Ok((code, plan.shape, bytes)
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
     }
 }

@@ -39,7 +39,12 @@ impl Handle {
         Ok(match held {
             Some(whole) if covers(plan, info) => Part::Bytes(whole),
             Some(whole) => Part::Bytes(crate::read::buffer::cut(plan, &whole)?),
-            None => detached(py, |poll| ckpt.read_slice(self.shard, info, plan, views, poll))?.0,
+            None => {
+                detached(py, |poll| {
+                    ckpt.read_slice(self.shard, info, plan, views, poll)
+                })?
+                .0
+            }
         })
     }
 }

@@ -58,7 +58,10 @@ impl Source {
     ) -> Result<(Part, ReadCounts)> {
         let base = self.header.data_start() + info.begin as u64;
         let runs = runs(plan, base);
-        let page = self.backing.file().map_or(0, |_| platform::page_size() as u64);
+        let page = self
+            .backing
+            .file()
+            .map_or(0, |_| platform::page_size() as u64);
         let spans = gather(&runs, page);
         if how.strategy == Strategy::Mmap {
             let whole = self.map_tensor(info)?;
@@ -117,14 +120,15 @@ impl Source {
         });
     }
 
-    /// Asks the kernel for every span now, in file order, without waiting (`platform::prefetch`:
-    /// exactly their pages, since the file reads at random); the bytes asked.
+    /// Asks the kernel for every span now, in file order, without waiting
+    /// (`platform::prefetch_all`: exactly their pages, since the file reads at random); the
+    /// bytes asked.
     fn prefetch_spans(&self, spans: &[Span]) -> u64 {
         let Some(file) = self.backing.file() else {
             return 0;
         };
         for span in spans {
-            platform::prefetch(file, span.at, span.len as u64);
+            platform::prefetch_all(file, span.at, span.len as u64);
         }
         spans.iter().map(|s| s.len as u64).sum()
     }
@@ -136,7 +140,10 @@ fn runs(plan: &SlicePlan, base: u64) -> Vec<(u64, usize)> {
     let mut runs = Vec::new();
     for row in &plan.rows {
         for r in 0..row.count {
-            runs.push((base + (row.offset + r * row.stride_bytes) as u64, row.run_bytes));
+            runs.push((
+                base + (row.offset + r * row.stride_bytes) as u64,
+                row.run_bytes,
+            ));
         }
     }
     runs
@@ -317,7 +324,10 @@ mod tests {
 
     #[test]
     fn long_runs_are_read_alone_and_spans_stop_at_their_limit() {
-        let long = [(0u64, IN_PLACE_RUN_BYTES), (IN_PLACE_RUN_BYTES as u64 + 8, 100)];
+        let long = [
+            (0u64, IN_PLACE_RUN_BYTES),
+            (IN_PLACE_RUN_BYTES as u64 + 8, 100),
+        ];
         let got = gather(&long, PAGE);
         assert_eq!(got.len(), 2);
         assert!(!got[0].gathers() && got[1].gathers());
@@ -333,7 +343,12 @@ mod tests {
     fn scattered_runs_land_in_slice_order() {
         // Two gathered spans around a run read in place: the slice gets each run's bytes.
         let file: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        let runs = [(10u64, 5), (20, 5), (1000, IN_PLACE_RUN_BYTES), (150_000, 7)];
+        let runs = [
+            (10u64, 5),
+            (20, 5),
+            (1000, IN_PLACE_RUN_BYTES),
+            (150_000, 7),
+        ];
         let spans = gather(&runs, PAGE);
         assert_eq!(spans.len(), 3);
         let mut scratch = Vec::new();
@@ -350,6 +365,9 @@ mod tests {
         // The in-place run is the reader's to fill: zero here.
         assert_eq!(out[..10], want[..10]);
         assert!(out[10..10 + IN_PLACE_RUN_BYTES].iter().all(|&b| b == 0));
-        assert_eq!(out[10 + IN_PLACE_RUN_BYTES..], want[10 + IN_PLACE_RUN_BYTES..]);
+        assert_eq!(
+            out[10 + IN_PLACE_RUN_BYTES..],
+            want[10 + IN_PLACE_RUN_BYTES..]
+        );
     }
 }
