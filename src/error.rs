@@ -139,11 +139,11 @@ impl Error {
 }
 
 /// Every message names URLs without their secrets (user info, signature and token query values:
-/// `crate::storage::redact::redact`), whichever part of it carries them: a path, a store's own error.
+/// `crate::redact::redact`), whichever part of it carries them: a path, a store's own error.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let message = Unredacted(self).to_string();
-        f.write_str(&crate::storage::redact::redact(&message))
+        f.write_str(&crate::redact::redact(&message))
     }
 }
 

@@ -5,7 +5,7 @@
 //! `storage` (where bytes live: local files and object stores), `read` (how they are read into
 //! memory: the opened file, the plan, the parallel engine, strategies, buffers, read-ahead) and
 //! `checkpoint` (which files make a checkpoint, its reads, verification, each rank's part), with
-//! `platform` (every OS call) beneath them all. `py` is the thin PyO3 binding, built only with
+//! `platform` (every OS call), `error` and `redact` (URLs without their secrets) beneath them all. `py` is the thin PyO3 binding, built only with
 //! the `python` feature (maturin turns it on).
 //!
 //! Modules are private; the Rust API is what is re-exported here. Most of the core is driven by
@@ -20,6 +20,7 @@ mod error;
 mod format;
 mod platform;
 mod read;
+mod redact;
 mod storage;
 
 #[cfg(feature = "python")]

@@ -161,8 +161,11 @@ def test_verify_missing_and_mixed(tmp_path, sample):
     assert len(lines) == 4
     assert OK_LINE.match(lines[0]) and OK_LINE.match(lines[3])
     assert lines[1].startswith(f"FAIL {missing}: ") and lines[2].startswith(f"FAIL {truncated}: ")
+    # A directory stands for its files, as `safeload hash` takes it: the truncated one fails.
     r = run("verify", str(tmp_path))
-    assert r.returncode == 1 and r.stdout.startswith(f"FAIL {tmp_path}: ")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and len(lines) == 2, r.stdout
+    assert OK_LINE.match(lines[0]) and lines[1].startswith(f"FAIL {truncated}: ")
 
 
 def test_verify_in_batches(sample, monkeypatch):
@@ -457,3 +460,41 @@ def test_verify_hashes_in_the_same_batches(sharded, monkeypatch):
     assert SHA_OK.match(cli.verify_file(path, expected=(digest, "a test")))["by"] == "a test"
     with pytest.raises(Exception, match=f"SHA-256 mismatch: expected {'0' * 64} \\(a test\\), got {digest}"):
         cli.verify_file(path, expected=("0" * 64, "a test"))
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "index", "url"])
+def test_hash_then_verify_round_trips(tmp_path, sharded, kind):
+    """``safeload hash X > M && safeload verify --manifest M X`` exits 0 for X a file, a
+    directory, an index and a URL (a loopback HTTP server), with M beside X or elsewhere; and 1
+    once one byte of X changes."""
+    names = shard_names(sharded)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    server = None
+    if kind == "url":
+        sys.path.insert(0, str(Path(__file__).parent / "support"))
+        from range_server import RangeServer
+
+        server = RangeServer(str(sharded.parent)).start()
+    try:
+        x = {"file": str(sharded / names[0]), "directory": str(sharded),
+             "index": str(sharded / "model.safetensors.index.json"),
+             "url": f"{server.url}/{sharded.name}/model.safetensors.index.json" if server else ""}[kind]
+        files = 1 if kind == "file" else len(names)
+        for manifest in (sharded / "SHA256SUMS.saved", elsewhere / "checkpoint.sha256"):
+            r = run("hash", x)
+            assert r.returncode == 0, r.stderr
+            manifest.write_text(r.stdout)
+            r = run("verify", "--manifest", str(manifest), x, cwd=tmp_path)
+            assert r.returncode == 0, (manifest, r.stdout, r.stderr)
+            oks = [line for line in r.stdout.splitlines() if line.startswith("OK ")]
+            assert len(oks) == files and all("sha256 matches the manifest" in line for line in oks), r.stdout
+        shard = sharded / names[0]
+        raw = bytearray(shard.read_bytes())
+        raw[-1] ^= 1
+        shard.write_bytes(bytes(raw))
+        r = run("verify", "--manifest", str(elsewhere / "checkpoint.sha256"), x, cwd=tmp_path)
+        assert r.returncode == 1 and r.stdout.count("SHA-256 mismatch") == 1, r.stdout
+    finally:
+        if server is not None:
+            server.stop()

@@ -1,13 +1,15 @@
-"""Neither the Python package nor the Rust crate has an import circle. Python imports made inside
-functions count too (a lazy import hides a circle from Python, not from a reader); in the crate,
-a module uses another when it names ``crate::other`` (``super::other`` between the binding's
-modules), test modules left out."""
+"""Neither the Python package nor the Rust crate has an import circle, file against file. Python
+imports made inside functions count too (a lazy import hides a circle from Python, not from a
+reader); in the crate, a file uses another when it names it by a ``crate::``, ``super::`` or
+``self::`` path (groups in braces included), test modules and comments left out. Each layer of
+``src/`` uses only the layers beneath it."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 import re
+import sys
 from typing import Dict, List, Set
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -71,40 +73,55 @@ def _code(text: str) -> str:
 
 
 #: The crate's layers, lowest first: a layer's modules may use those of the layers before it
-#: (and of their own), never those after it. ``error`` and ``platform`` sit beneath them all.
+#: (and of their own), never those after it. ``error``, ``redact`` and ``platform`` sit beneath
+#: them all.
 LAYERS = ["format", "storage", "read", "checkpoint", "py"]
+
+#: A use of another module: ``crate::a::b``, ``super::b`` (``super::super::``), ``self::b``, with
+#: an optional group ``::{x, y::z}`` (one level of nested braces inside it).
+_USE = re.compile(r"\b(crate|super(?:::super)*|self)((?:::\w+)*)(?:::\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\})?")
+
+
+def _module(path: pathlib.Path) -> str:
+    """The module a file is: ``src/read/source/ranges.rs`` -> ``read::source::ranges``,
+    ``src/read/source/mod.rs`` -> ``read::source``."""
+    parts = list(path.relative_to(CRATE).with_suffix("").parts)
+    if parts[-1] == "mod":
+        parts.pop()
+    return "::".join(parts)
 
 
 def crate_graph() -> Dict[str, Set[str]]:
-    """Modules of the crate and the modules each names. A layer's file or folder is one node
-    (``read::source``, ``format::header``); ``platform`` is one node; ``py``'s files and folders
-    are ``py::name``. Uses are ``crate::layer::module`` paths (and ``super::``/``crate::py::``
-    within ``py``)."""
-    files: Dict[str, List[pathlib.Path]] = {}
-    for path in CRATE.rglob("*.rs"):
-        parts = path.relative_to(CRATE).with_suffix("").parts
-        if parts[0] in LAYERS and len(parts) > 1 and parts[1] != "mod":
-            node = f"{parts[0]}::{parts[1]}"
-        else:
-            node = parts[0]
-        files.setdefault(node, []).append(path)
+    """Every file of the crate (as its module) and the files it uses, as a reader sees them: each
+    ``crate::``, ``super::`` or ``self::`` path (groups in braces included) names the file of its
+    longest prefix that is one (``crate::storage::remote::Object`` names ``storage/remote/mod.rs``;
+    ``super::config::is_true`` in ``storage/remote/tls.rs`` names ``storage/remote/config.rs``).
+    ``lib.rs`` is left out (it declares the modules)."""
+    files = {_module(p): p for p in CRATE.rglob("*.rs")}
+    files.pop("lib", None)
     edges: Dict[str, Set[str]] = {}
-    for node, paths in files.items():
-        text = "".join(_code(p.read_text()) for p in paths)
-        used = set()
-        for first, second in re.findall(r"\bcrate::(\w+)(?:::(\w+))?", text):
-            if f"{first}::{second}" in files:
-                used.add(f"{first}::{second}")
-            elif first in files:
-                used.add(first)
-        if node.startswith("py::"):
-            used |= {"py::" + m for m in re.findall(r"\b(?:super|crate::py)::(\w+)", text)
-                     if "py::" + m in files}
-        if node.startswith("checkpoint::") or node == "checkpoint":
-            used |= {"checkpoint::" + m for m in re.findall(r"\bsuper::(\w+)", text)
-                     if "checkpoint::" + m in files}
-        edges[node] = used - {node, "lib"}
-    edges.pop("lib", None)
+    for node, path in files.items():
+        here = node.split("::")
+        used: Set[str] = set()
+        for head, tail, group in _USE.findall(_code(path.read_text())):
+            if head == "crate":
+                base: List[str] = []
+            elif head == "self":
+                base = here
+            else:
+                base = here[: max(0, len(here) - head.count("super"))]
+            prefix = base + [s for s in tail.split("::") if s]
+            paths = [prefix]
+            if group:
+                paths = [prefix + [s for s in item.split("{")[0].split("::") if s.strip() and s.strip() != "self"]
+                         for item in group.split(",") if item.strip()]
+            for segments in paths:
+                segments = [s.strip() for s in segments]
+                for k in range(len(segments), 0, -1):
+                    if "::".join(segments[:k]) in files:
+                        used.add("::".join(segments[:k]))
+                        break
+        edges[node] = used - {node}
     return edges
 
 
@@ -135,18 +152,44 @@ def test_the_crate_graph_sees_uses() -> None:
     assert "platform" in edges["read::strategy"] and "read::readahead" in edges["py::handle"]
     # The checkpoint's rule asks a place; a store's place (remote/listing.rs) is storage's own.
     assert "storage::place" in edges["checkpoint::files"]
-    assert "storage::place" in edges["storage::remote"]
+    assert "storage::place" in edges["storage::remote::listing"]
+    # File against file: super:: paths and groups in braces count.
+    assert {"storage::remote::config", "storage::remote::connector"} <= edges["storage::remote::store"]
+    assert "py::handle" in edges["py::handle::slices"]
+
+
+def test_the_crate_check_fails_on_a_circle(tmp_path, monkeypatch) -> None:
+    """A circle like the two storage/ had (a store's module reaching into its client's for a
+    constant its client takes from it) is found, file against file, and so is a use upward."""
+    crate = tmp_path / "src"
+    (crate / "storage" / "remote").mkdir(parents=True)
+    (crate / "lib.rs").write_text("mod storage;\n")
+    (crate / "error.rs").write_text("pub fn cleaned() -> String { crate::storage::redacted() }\n")
+    (crate / "storage" / "mod.rs").write_text("pub mod remote;\npub fn redacted() -> String { String::new() }\n")
+    (crate / "storage" / "remote" / "mod.rs").write_text("mod connector;\nmod store;\n")
+    (crate / "storage" / "remote" / "store.rs").write_text(
+        "use super::connector::Connector;\npub const MAX_RETRIES: usize = 5;\n")
+    (crate / "storage" / "remote" / "connector.rs").write_text(
+        "pub struct Connector;\nconst TRIES: usize = super::store::MAX_RETRIES + 1;\n")
+    monkeypatch.setattr(sys.modules[__name__], "CRATE", crate)
+    edges = crate_graph()
+    assert cycles(edges) == [["storage::remote::connector", "storage::remote::store", "storage::remote::connector"]]
+    assert ("error", "storage") in [(a, b) for a, b in _upward(edges)]
 
 
 #: The one module beneath the layers that names some of theirs: the error type wraps the header's
-#: and the manifest's errors and redacts every message (it calls nothing else of theirs).
-ERROR_NAMES = {"format::header", "format::digest", "storage::redact"}
+#: and the manifest's errors (it calls nothing of theirs).
+ERROR_NAMES = {"format::header", "format::digest"}
+
+
+def _upward(edges: Dict[str, Set[str]]) -> List[tuple]:
+    """Uses of a module in a higher layer (beneath the layers counts as lowest)."""
+    return sorted((a, b) for a, used in edges.items() for b in used
+                  if _layer(a) >= 0 and _layer(b) > _layer(a) or _layer(a) == -1 and _layer(b) >= 0)
 
 
 def test_each_layer_uses_only_the_layers_beneath_it() -> None:
-    edges = crate_graph()
-    upward = sorted((a, b) for a, used in edges.items() for b in used
-                    if _layer(a) >= 0 and _layer(b) > _layer(a) or _layer(a) == -1 and _layer(b) >= 0)
+    upward = _upward(crate_graph())
     assert [(a, b) for a, b in upward if not (a == "error" and b in ERROR_NAMES)] == []
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import urllib.parse
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PTH_NAME = "safeload_autopatch.pth"  # = safeload.patch.PTH_NAME (not imported: --help stays cheap)
@@ -33,9 +34,13 @@ read (every byte of the file, header included) and checked. Prints one line per 
   OK path (..., R GiB/s, sha256 matches the manifest M)
   FAIL path: message
 
---manifest M takes the digests from M, in the format `sha256sum` writes (`safeload hash`
-writes it too); its names are relative to M's folder. With no FILE, every file M names is
-verified; a FILE that M does not name fails. --sha256 HEX checks the one FILE against HEX.
+A FILE may be what `safeload hash` takes: a file, a directory or an index.json (its shards), a
+URL. --manifest M takes the digests from M, in the format `sha256sum` writes (`safeload hash`
+writes it too): each file is looked up by the name `safeload hash` gives it (relative to the
+directory or the index's folder; a file as given), else by M's names read relative to M's
+folder, so `safeload hash X > M && safeload verify --manifest M X` holds wherever M is kept.
+With no FILE, every file M names (relative to its folder) is verified; a file that M does not
+name fails. --sha256 HEX checks the one FILE against HEX.
 With neither, a file whose SHA-256 the source knows is checked against it, as verify=True
 checks: a Hugging Face cache file against its blob name, a Hub URL against the digest the Hub
 reports, a file with a SHA256SUMS beside it against its line there.
@@ -216,44 +221,56 @@ def verify_file(path: str, threads: Optional[int] = None, expected: Optional[Exp
             f"{stats.gib_per_s:.2f} GiB/s{checked})")
 
 
-def manifest_expectations(manifest: str) -> Dict[str, Tuple[str, Expected]]:
-    """The files ``manifest`` names: {real path: (path as shown, (digest, "the manifest M"))}, names
-    resolved against the manifest's folder. Raises when it cannot be read or a line is malformed."""
+def manifest_expectations(manifest: str) -> Tuple[Dict[str, Expected], Dict[str, Tuple[str, Expected]]]:
+    """The digests ``manifest`` holds, by name as written ({name: (digest, "the manifest M")}), and
+    by the file each name resolves to against the manifest's folder ({real path: (path as shown,
+    expected)}). Raises when it cannot be read or a line is malformed."""
     from ._safeload import read_manifest
 
     folder = os.path.dirname(manifest)
     source = f"the manifest {manifest}"
-    out: Dict[str, Tuple[str, Expected]] = {}
+    by_name: Dict[str, Expected] = {}
+    by_file: Dict[str, Tuple[str, Expected]] = {}
     for name, digest in read_manifest(manifest):
+        by_name[name] = (digest, source)
         path = os.path.join(folder, name)
-        out[os.path.realpath(path)] = (path, (digest, source))
-    return out
+        by_file[os.path.realpath(path)] = (path, (digest, source))
+    return by_name, by_file
 
 
 def verify_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None,
                  manifest: Optional[str] = None, sha256: Optional[str] = None) -> int:
-    """Verifies each file (against ``manifest``'s or ``sha256``'s digest when given), one line per file;
-    with a manifest and no paths, every file it names. Returns the exit status."""
+    """Verifies each file (against ``manifest``'s or ``sha256``'s digest when given), one line per
+    file; with a manifest and no paths, every file it names. A path is what ``safeload hash`` takes:
+    a file, a directory or an index (its shards), a URL; with a manifest, each file is looked up by
+    the name ``safeload hash`` gives it (relative to the checkpoint's root), else by the file the
+    manifest's own names resolve to against its folder. Returns the exit status."""
     from ._safeload import SafetensorError, known_digest, redact
 
     out = out or sys.stdout
-    pinned: Dict[str, Tuple[str, Expected]] = {}
+    by_name: Dict[str, Expected] = {}
+    by_file: Dict[str, Tuple[str, Expected]] = {}
     if manifest is not None:
         try:
-            pinned = manifest_expectations(manifest)
+            by_name, by_file = manifest_expectations(manifest)
         except (OSError, SafetensorError) as exc:
             print(f"safeload verify: {_message(exc)}", file=sys.stderr)
             return 1
-        paths = list(paths) or [shown for shown, _ in pinned.values()]
+    targets: List[Tuple[str, str]] = [(shown, shown) for shown, _ in by_file.values()] if not paths else []
     failed = 0
     for path in paths:
         try:
+            targets += hash_targets(path)
+        except (OSError, SafetensorError) as exc:
+            failed += 1
+            out.write(f"FAIL {redact(os.fspath(path))}: {_message(exc)}\n")
+    for path, name in targets:
+        try:
             expected = (sha256, "--sha256") if sha256 is not None else None
             if manifest is not None:
-                entry = pinned.get(os.path.realpath(path))
-                if entry is None:
+                expected = by_name.get(redact(name)) or by_file.get(os.path.realpath(path), (None, None))[1]
+                if expected is None:
                     raise SafetensorError(f"not in the manifest {manifest} (no line names this file)")
-                expected = entry[1]
             elif expected is None and not os.path.isdir(path):
                 expected = known_digest(path)  # what verify=True would check: None when nothing is known
             line = verify_file(path, threads=threads, expected=expected)
@@ -278,13 +295,19 @@ def hash_targets(path: str) -> List[Tuple[str, str]]:
     index's shards named relative to that directory (the index's folder), a file as given."""
     from ._safeload import checkpoint_files
 
+    if "://" in path:  # a URL: an object, or a prefix or index naming its shards
+        where = urllib.parse.urlsplit(path).path
+        if where.endswith(".safetensors"):
+            return [(path, path)]
+        folder = path.rsplit("/", 1)[0] if where.endswith(".json") else path.rstrip("/")
+        return [(f, f[len(folder) + 1:] if f.startswith(folder + "/") else f) for f in checkpoint_files(path)]
     if os.path.isdir(path):
         folder = path
     elif path.endswith(".json") and os.path.isfile(path):
         folder = os.path.dirname(path) or os.curdir
     else:
         return [(path, path)]
-    return [(os.fspath(f), os.path.relpath(f, folder)) for f in checkpoint_files(path)]
+    return [(f, os.path.relpath(f, folder)) for f in checkpoint_files(path)]
 
 
 def hash_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:

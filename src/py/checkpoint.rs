@@ -112,7 +112,7 @@ impl Checkpoint {
             .get()?
             .shards
             .iter()
-            .map(|s| crate::storage::redact::shown(&s.path))
+            .map(|s| crate::redact::shown(&s.path))
             .collect())
     }
 

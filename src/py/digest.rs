@@ -100,14 +100,16 @@ pub(super) fn known_digest(
 }
 
 /// The shard files of the checkpoint at `at` (a file, a directory, an index.json, a URL or a
-/// prefix), in order, as `Checkpoint(at)` opens them.
+/// prefix), in order, as `Checkpoint(at)` opens them: strings (a URL is not a path, whose `//`
+/// a `pathlib.Path` would fold).
 #[pyfunction]
 #[pyo3(signature = (at, *, storage_options=None))]
 pub(super) fn checkpoint_files(
     py: Python<'_>,
     at: PathBuf,
     storage_options: Option<StorageOptions>,
-) -> PyResult<Vec<PathBuf>> {
+) -> PyResult<Vec<std::ffi::OsString>> {
     let store = storage_options.unwrap_or_default().0;
-    detached(py, |_| Checkpoint::files_at(&at, &store))
+    let files = detached(py, |_| Checkpoint::files_at(&at, &store))?;
+    Ok(files.into_iter().map(PathBuf::into_os_string).collect())
 }

@@ -60,11 +60,11 @@ fn memory_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 }
 
 /// `text` with every URL in it stripped of its user info and secret query values, as every
-/// message of the core is ([`crate::storage::redact::redact`]): for the messages Python words itself
+/// message of the core is ([`crate::redact::redact`]): for the messages Python words itself
 /// (the command line's `OK <url>` / `FAIL <url>` lines).
 #[pyfunction]
 fn redact(text: &str) -> String {
-    crate::storage::redact::redact(text).into_owned()
+    crate::redact::redact(text).into_owned()
 }
 
 /// `patch(backend=)`: forces `backend` on every load from now on (None: no longer), through
@@ -95,7 +95,7 @@ fn _forced_backend() -> Option<&'static str> {
 /// unverified), as `pinned()` of a checkpoint and of a handle give it to the log.
 fn pinned(ckpt: &crate::checkpoint::Checkpoint) -> Vec<(std::path::PathBuf, Option<String>)> {
     (ckpt.pinned().into_iter())
-        .map(|(path, from)| (crate::storage::redact::shown(path), from))
+        .map(|(path, from)| (crate::redact::shown(path), from))
         .collect()
 }
 

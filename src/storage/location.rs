@@ -59,7 +59,7 @@ impl Opened {
 /// [`Error::remote`]; a URL in a build without the `remote` feature, [`remote::unavailable`].
 pub fn open(at: &Path, options: &Options) -> Result<Opened> {
     if remote::is_url(at) {
-        return remote::open(at, options);
+        return open_object(at, options);
     }
     let open_err = |source| Error::Open {
         path: at.to_path_buf(),
@@ -73,6 +73,23 @@ pub fn open(at: &Path, options: &Options) -> Result<Opened> {
         len,
         start: Vec::new(),
     })
+}
+
+/// The object at URL `at` ([`remote::open`]), as a backing.
+#[cfg(feature = "remote")]
+fn open_object(at: &Path, options: &Options) -> Result<Opened> {
+    let (object, kind, start) = remote::open(at, options)?;
+    Ok(Opened {
+        kind,
+        len: object.size(),
+        backing: Backing::Remote(object),
+        start,
+    })
+}
+
+#[cfg(not(feature = "remote"))]
+fn open_object(at: &Path, _: &Options) -> Result<Opened> {
+    Err(remote::unavailable(at))
 }
 
 /// Where the checkpoint at `at` (a path, or a URL or URL prefix) has its files listed and its

@@ -2,16 +2,15 @@
 //! opened, the place a checkpoint's files are listed), a local file or an object in a store as a
 //! reader sees it (`backing`), where a checkpoint's files are listed and small files read whole
 //! (`place`: the file system; a store's in `remote`), the object stores themselves (`remote`: S3,
-//! GCS, Azure, HTTP, the Hub), cancellation of the waits they make (`cancel`) and URLs without
-//! their secrets in every message (`redact`). May use: `format` (names an index may give,
-//! digests a store reports), `platform`, `error`. Nothing above this layer asks which kind of
+//! GCS, Azure, HTTP, the Hub) and cancellation of the waits they make (`cancel`). May use:
+//! `format` (names an index may give, digests a store reports), `platform`, `error`, `redact`
+//! (URLs without their secrets, beneath every layer: every message goes through it). Nothing above this layer asks which kind of
 //! storage it has or whether a location is a URL; it asks what these answer.
 
 pub(crate) mod backing;
 pub(crate) mod cancel;
 pub(crate) mod location;
 pub(crate) mod place;
-pub(crate) mod redact;
 pub(crate) mod remote;
 
 pub use location::{open, place};

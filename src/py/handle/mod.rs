@@ -8,7 +8,7 @@ mod ahead;
 mod reads;
 mod slices;
 
-use slices::{covers, slice_plan};
+use slices::{covers, part_made, slice_plan};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::parse_dtype;
-use super::bytes::{Bytes, Importer, TensorTuple};
+use super::bytes::{Importer, TensorTuple};
 use super::errors::detached;
 use super::info::Info;
 use super::options::OpenOptions;
@@ -26,7 +26,7 @@ use super::stats::Stats;
 use crate::checkpoint::{Checkpoint, ReadStats};
 use crate::error::Error;
 use crate::read::readahead::{self, ReadAhead};
-use crate::read::source::{Part, Source};
+use crate::read::source::Source;
 
 #[pyclass(frozen, module = "safeload._safeload")]
 pub struct Handle {
@@ -313,7 +313,7 @@ impl Handle {
     /// The file's path or URL, as messages and logs show it (a URL without its secrets).
     #[getter]
     fn path(&self) -> PyResult<PathBuf> {
-        Ok(crate::storage::redact::shown(&self.source()?.path))
+        Ok(crate::redact::shown(&self.source()?.path))
     }
 
     /// One tensor: `(name, dtype code, shape, bytes)`, or the tensor `importer` makes of them
@@ -414,31 +414,7 @@ impl Handle {
         let info = ckpt.shards[self.shard].tensor(name)?;
         let plan = slice_plan(info, key, bounds)?;
         let importer = importer.as_deref();
-        let code = info.dtype.code();
-        let bytes = match self.read_part(py, &ckpt, info, &plan, importer.is_some())? {
-            Part::Bytes(bytes) => bytes,
-            Part::Whole(whole) => {
-                let tensor = match importer {
-                    Some(importer) => {
-                        importer.import(py, &Bytes::new(whole.clone()), code, &info.shape)?
-                    }
-                    None => None,
-                };
-                match tensor {
-                    Some(tensor) => return Ok(tensor.get_item(key)?.unbind()),
-                    None => crate::read::buffer::cut(&plan, &whole)?,
-                }
-            }
-        };
-        let bytes = Bytes::new(bytes);
-        if let Some(importer) = importer
-            && let Some(tensor) = importer.import(py, &bytes, code, &plan.shape)?
-        {
-            return Ok(tensor.unbind());
-        }
-        Ok((code, plan.shape, bytes)
-            .into_pyobject(py)?
-            .into_any()
-            .unbind())
+        let part = self.read_part(py, &ckpt, info, &plan, importer.is_some())?;
+        part_made(py, part, info, &plan, key, importer)
     }
 }

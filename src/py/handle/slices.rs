@@ -8,6 +8,7 @@ use crate::checkpoint::Checkpoint;
 use crate::format::header::TensorInfo;
 use crate::format::slice;
 use crate::py::args::{parse_bounds, parse_key};
+use crate::py::bytes::{Bytes, Importer};
 use crate::py::errors::detached;
 use crate::read::readahead::Mode;
 use crate::read::source::Part;
@@ -47,6 +48,43 @@ impl Handle {
             }
         })
     }
+}
+
+/// What `Handle.read_slice` returns for `part` (`plan` of tensor `info`, asked as `key`): the
+/// tensor `importer` makes (of a map's whole view, its view `[key]`: nothing copied), else
+/// `(dtype, shape, bytes)`.
+pub(super) fn part_made(
+    py: Python<'_>,
+    part: Part,
+    info: &TensorInfo,
+    plan: &slice::SlicePlan,
+    key: &Bound<'_, PyAny>,
+    importer: Option<&Importer>,
+) -> PyResult<Py<PyAny>> {
+    let code = info.dtype.code();
+    let bytes = match part {
+        Part::Bytes(bytes) => bytes,
+        Part::Whole(whole) => {
+            let tensor = match importer {
+                Some(importer) => {
+                    importer.import(py, &Bytes::new(whole.clone()), code, &info.shape)?
+                }
+                None => None,
+            };
+            match tensor {
+                Some(tensor) => return Ok(tensor.get_item(key)?.unbind()),
+                None => crate::read::buffer::cut(plan, &whole)?,
+            }
+        }
+    };
+    let bytes = Bytes::new(bytes);
+    if let Some(importer) = importer
+        && let Some(tensor) = importer.import(py, &bytes, code, &plan.shape)?
+    {
+        return Ok(tensor.unbind());
+    }
+    let tuple = (code, plan.shape.clone(), bytes);
+    Ok(tuple.into_pyobject(py)?.into_any().unbind())
 }
 
 /// The slice plan of `tensor[key]` (see `Handle.read_slice`).

@@ -148,9 +148,9 @@ impl HttpConnector for Connector {
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(30);
 /// Tries of one request that `Retry-After` answers may take: the first and the retries
 /// `object_store` would make.
-const RETRY_AFTER_TRIES: usize = super::store::MAX_RETRIES + 1;
+const RETRY_AFTER_TRIES: usize = super::config::MAX_RETRIES + 1;
 /// The most one request waits, in all, for the `Retry-After`s it is answered with.
-const RETRY_AFTER_TOTAL: Duration = super::store::RETRY_TIMEOUT;
+const RETRY_AFTER_TOTAL: Duration = super::config::RETRY_TIMEOUT;
 
 /// How long a `429 Too Many Requests` or `503 Service Unavailable` asks the client to wait before
 /// its next try: `Retry-After` in seconds or as an HTTP date, at most [`RETRY_AFTER_MAX`].
@@ -238,7 +238,7 @@ impl HttpService for Hyper {
                 let message = format!(
                     "{}: {} on each of {tries} tries ({} s waited as Retry-After asked); \
                      the server is still busy",
-                    crate::storage::redact::redact(&again.uri().to_string()),
+                    crate::redact::redact(&again.uri().to_string()),
                     response.status(),
                     waited.as_secs(),
                 );
@@ -291,7 +291,7 @@ impl Hyper {
             else {
                 return Ok(response);
             };
-            let from = crate::storage::redact::redact(&uri.to_string()).into_owned();
+            let from = crate::redact::redact(&uri.to_string()).into_owned();
             if hop == MAX_REDIRECTS {
                 return Err(refused(format!(
                     "{from}: more than {MAX_REDIRECTS} redirects"
@@ -336,7 +336,7 @@ impl Hyper {
         if uri.scheme_str() == Some("http") && self.waits.refuse_http {
             return Err(refused(format!(
                 "{}: plain http is refused: storage_options has allow_http=false",
-                crate::storage::redact::redact(&uri.to_string())
+                crate::redact::redact(&uri.to_string())
             )));
         }
         tokio::time::timeout(self.waits.response, self.client.request(request))
@@ -356,7 +356,7 @@ impl Hyper {
         let target = (url::Url::parse(&uri.to_string()))
             .and_then(|base| base.join(location.to_str().unwrap_or_default()))
             .map_err(|e| bad_location(from, e))?;
-        let shown = crate::storage::redact::redact(target.as_str()).into_owned();
+        let shown = crate::redact::redact(target.as_str()).into_owned();
         let downgrade = uri.scheme_str() == Some("https") && target.scheme() == "http";
         match target.scheme() {
             "http" if downgrade && !self.waits.downgrade => Err(refused(format!(
@@ -381,7 +381,7 @@ fn request_error(e: &hyper_util::client::legacy::Error, uri: &http::Uri) -> Http
         (false, true) => HttpErrorKind::Connect,
         (false, false) => HttpErrorKind::Request,
     };
-    let at = crate::storage::redact::redact(&uri.to_string()).into_owned();
+    let at = crate::redact::redact(&uri.to_string()).into_owned();
     let what = if tls { "TLS failed" } else { "request failed" };
     HttpError::new(kind, Message(format!("{at}: {what}: {causes}")))
 }

@@ -4,7 +4,8 @@
 //!
 //! Here: which paths are URLs (always built, so a build without the `remote` feature can say
 //! so), an object opened ([`open`]) and a store as a place to list ([`place`]) for
-//! `storage::location`; the stores and their runtime in `store` (AWS's shared profile files:
+//! `storage::location` (which makes the object a `Backing`: nothing here names the modules
+//! that use this one); retries and option values both the store and its client read in `config`; the stores and their runtime in `store` (AWS's shared profile files:
 //! `profile`), their HTTP client in `connector` (its proxies: `proxy`; its TLS: `tls`), one
 //! object's reads (retries, resumes) in `object`, a store as a [`Place`] (index.json, "directory"
 //! listings, the Hub's tree) in `listing`, the SHA-256 a store reports of an object it opens
@@ -12,6 +13,8 @@
 
 use std::path::Path;
 
+#[cfg(feature = "remote")]
+mod config;
 #[cfg(feature = "remote")]
 mod connector;
 #[cfg(feature = "remote")]
@@ -32,9 +35,10 @@ mod tls;
 #[cfg(feature = "remote")]
 pub use object::Object;
 
-use super::location::Opened;
 use super::place::Place;
 use crate::error::Result;
+#[cfg(feature = "remote")]
+use crate::platform::FsKind;
 
 /// `storage_options`: (key, value) pairs, fsspec / obstore style, applied over the environment.
 pub type Options = [(String, String)];
@@ -53,24 +57,15 @@ pub fn unavailable(url: &Path) -> crate::error::Error {
     ))
 }
 
-/// The object at `url`, opened with one ranged GET of its start (see [`Object::open`]): the
-/// bytes it brought are the opened object's start. Errors by [`crate::error::Error::remote`].
+/// The object at `url`, opened with one ranged GET of its start (see [`Object::open`]), with
+/// the store's kind and the bytes that GET brought (the object's start). Errors by
+/// [`crate::error::Error::remote`].
 #[cfg(feature = "remote")]
-pub fn open(url: &Path, options: &Options) -> Result<Opened> {
+pub fn open(url: &Path, options: &Options) -> Result<(Object, FsKind, Vec<u8>)> {
     let text = url.to_string_lossy();
     let (object, start) =
         Object::open(&text, options).map_err(|e| crate::error::Error::remote(url, e))?;
-    Ok(Opened {
-        kind: crate::platform::FsKind::Network(scheme_name(&text)),
-        len: object.size(),
-        backing: super::backing::Backing::Remote(object),
-        start,
-    })
-}
-
-#[cfg(not(feature = "remote"))]
-pub fn open(url: &Path, _: &Options) -> Result<Opened> {
-    Err(unavailable(url))
+    Ok((object, FsKind::Network(scheme_name(&text)), start))
 }
 
 /// The store `url` names, with the caller's options, as a place to list and read a

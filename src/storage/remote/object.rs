@@ -69,7 +69,7 @@ impl std::fmt::Debug for Object {
         write!(
             f,
             "Object({}, {} bytes)",
-            crate::storage::redact::redact(&self.url),
+            crate::redact::redact(&self.url),
             self.size
         )
     }
@@ -342,7 +342,7 @@ fn range_error(url: &str, what: &str) -> io::Error {
 pub fn to_io(url: &str, e: object_store::Error) -> io::Error {
     use object_store::Error as E;
     // Redacted before it is cut: a URL cut short could hide its secrets from the redaction.
-    let message = shortened(crate::storage::redact::redact(&e.to_string()).into_owned());
+    let message = shortened(crate::redact::redact(&e.to_string()).into_owned());
     let kind = match e {
         E::NotFound { .. } => io::ErrorKind::NotFound,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,

@@ -88,8 +88,8 @@ impl Proxies {
 fn check(name: &str, value: &str) -> Result<(), String> {
     let value = value.trim();
     let shown = match value.contains("://") {
-        true => crate::storage::redact::redact(value).into_owned(),
-        false => crate::storage::redact::redact(&format!("http://{value}")).into_owned(),
+        true => crate::redact::redact(value).into_owned(),
+        false => crate::redact::redact(&format!("http://{value}")).into_owned(),
     };
     let uri: Uri = (value.parse()).map_err(|e| format!("{name}={shown}: not a proxy URL ({e})"))?;
     match uri.scheme_str() {

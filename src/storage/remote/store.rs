@@ -16,6 +16,7 @@ use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
 use super::Options;
+use super::config::{MAX_RETRIES, RETRY_TIMEOUT, is_true};
 use super::connector::Connector;
 
 /// The runtime the stores' requests run on. The engine's worker threads block on it
@@ -427,12 +428,6 @@ fn s3(base: &str, options: &Options, env: Environment) -> Built {
     store!(b, base, options)
 }
 
-/// Retries of failed requests (and of bodies cut short, from the byte where they stopped):
-/// 5 within 2 minutes, 0.1-2 s apart, so a server that keeps failing is reported in seconds.
-/// Retries of a failed request (after its first try), and the time they may take in all.
-pub(super) const MAX_RETRIES: usize = 5;
-pub(super) const RETRY_TIMEOUT: Duration = Duration::from_secs(120);
-
 fn retry() -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {
@@ -443,10 +438,6 @@ fn retry() -> RetryConfig {
         max_retries: MAX_RETRIES,
         retry_timeout: RETRY_TIMEOUT,
     }
-}
-
-pub(super) fn is_true(value: &str) -> bool {
-    matches!(value.to_ascii_lowercase().as_str(), "1" | "true" | "yes")
 }
 
 /// fsspec (s3fs, gcsfs, adlfs) names for the options `object_store` spells otherwise.

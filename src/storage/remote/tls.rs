@@ -20,7 +20,7 @@ pub fn config(options: &ClientOptions) -> Result<rustls::ClientConfig, String> {
         .map_err(|e| e.to_string())?;
     let any = options
         .get_config_value(&ClientConfigKey::AllowInvalidCertificates)
-        .is_some_and(|v| super::store::is_true(v.trim()));
+        .is_some_and(|v| super::config::is_true(v.trim()));
     if any {
         let verifier = Arc::new(AnyCertificate(provider));
         return Ok(builder

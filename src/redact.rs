@@ -1,6 +1,7 @@
 //! URLs as messages and logs may show them: without user info and without the values of the
 //! query parameters that carry signatures, tokens, keys or credentials. Every error message goes
-//! through it ([`crate::error::Error`]'s `Display`), and so do the paths the binding shows.
+//! through it ([`crate::error::Error`]'s `Display`), and so do the paths the binding shows. It
+//! cleans strings and uses nothing of the crate: it sits beneath every layer, beside `error`.
 //!
 //! What is hidden never depends on the character after a secret: a URL runs from its scheme to
 //! the next whitespace (brackets and quotes may be part of user info and query values), and a
