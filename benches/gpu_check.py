@@ -45,6 +45,10 @@ import safeload.torch as sl_torch
 from safeload import _checkpoint, _safeload, _staging
 from safeload._safeload import DEFAULT_CHUNK_BYTES, Handle
 
+# The staging ring's plain-memory test double, for the self-check without a GPU.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
+from cpu_sink import CpuSink  # noqa: E402
+
 GiB = 2**30
 
 # Llama-shaped: (hidden, intermediate, layers, vocab, kv heads, head dim)
@@ -189,7 +193,7 @@ def self_check(path: str, nbytes: int, ring: tuple, rounds: int) -> int:
     seconds = []
     peak = 0
     for _ in range(rounds):
-        sink = _staging.CpuSink(defer=True)
+        sink = CpuSink(defer=True)
         t0 = time.perf_counter()
         got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
         seconds.append(time.perf_counter() - t0)

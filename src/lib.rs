@@ -26,7 +26,7 @@ mod storage;
 #[cfg(feature = "python")]
 mod py;
 
-pub use checkpoint::{Checkpoint, Entry, ReadStats};
+pub use checkpoint::{Checkpoint, Entry, Opening, ReadStats};
 pub use error::{Error, Result};
 pub use format::digest::{
     Digest, ManifestEntry, ManifestError, Sha256, manifest_line, parse_manifest,

@@ -29,6 +29,8 @@ from safeload import _device, _safeload, _staging
 # tests/support/slowfs.py (the compiled slow/faulty FUSE filesystem) is imported as ``slowfs``.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
+from cpu_sink import CpuSink  # noqa: E402 - the staging ring's plain-memory double
+
 # Every safetensors dtype code torch has, with its torch dtype (F4 packs two values per element).
 TORCH_DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -232,7 +234,7 @@ def mixed_tensors(seed: int = 0, big_rows: int = 70) -> dict:
 # -- the CUDA stand-in ---------------------------------------------------------------------------
 
 
-class FakeCudaSink(_staging.CpuSink):
+class FakeCudaSink(CpuSink):
     """A CPU sink that stands in for CudaSink (deferred copies, "pinned")."""
 
     made = []

@@ -20,6 +20,8 @@ import safeload
 import safeload.torch
 from safeload import SafetensorError, _checkpoint, _device, _mps, _open, _staging
 from safeload._safeload import Handle
+from cpu_sink import CpuSink
+from safeload._sinks import HostThenToSink
 
 from conftest import (
     TORCH_DTYPES,
@@ -149,7 +151,7 @@ def fake_mps(monkeypatch):
         rec.events.append(("to",))
         return tensor
 
-    monkeypatch.setattr(_staging.HostThenToSink, "deliver", to_device)
+    monkeypatch.setattr(HostThenToSink, "deliver", to_device)
 
     SpyHandle.rec = rec
     for module in (_open, _staging):
@@ -544,5 +546,5 @@ def test_cpu_and_cuda_untouched(write_st, fake_mps, monkeypatch):
     monkeypatch.setattr(_mps, "load", boom)
     path = write_st(every_dtype(8))
     assert_same(safeload.torch.load_file(path), st_torch.load_file(path))
-    got, _ = _staging.load_to_device(path, None, sink=_staging.CpuSink())
+    got, _ = _staging.load_to_device(path, None, sink=CpuSink())
     assert_same(got, st_torch.load_file(path))

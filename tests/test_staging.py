@@ -19,6 +19,8 @@ import safeload
 import safeload.torch
 from safeload import SafetensorError, _checkpoint, _device, _safeload, _staging
 from safeload._safeload import Handle
+from cpu_sink import CpuSink
+from safeload._sinks import HostThenToSink
 
 from conftest import TORCH_DTYPES, assert_tensor_equal, make_tensor, mixed_tensors
 
@@ -165,7 +167,7 @@ def test_parse_ring_and_env(monkeypatch, testing):
 def test_bytes_equal_every_layout(write_st, ring, defer):
     n, b = ring
     path = write_st(mixed_tensors(seed=n + b))
-    sink = _staging.CpuSink(defer=defer)
+    sink = CpuSink(defer=defer)
     got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=n, buffer_bytes=b)
     assert stats.read.bytes_read == stats.bytes and stats.read.backend == "pread"
     assert_same(got, ref_load(path))
@@ -185,7 +187,7 @@ def test_bytes_equal_every_layout(write_st, ring, defer):
 def test_deferred_sink_catches_early_refill(write_st, monkeypatch):
     """The ordering check has teeth: a loader that skipped ``wait`` would corrupt bytes."""
     path = write_st({"a": make_tensor("U8", (5000,), 1), "b": make_tensor("F32", (999,), 2)})
-    sink = _staging.CpuSink(defer=True)
+    sink = CpuSink(defer=True)
     monkeypatch.setattr(sink, "wait", lambda index: None)
     got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=512)
     with pytest.raises(AssertionError):
@@ -198,7 +200,7 @@ def test_large_checkpoint_small_ring(write_st):
     """Staging memory stays at the ring while the checkpoint is 40x larger."""
     tensors = {f"layer{i}.w": make_tensor("BF16", (256, 160 + i), seed=i) for i in range(12)}
     path = write_st(tensors)
-    sink = _staging.CpuSink(defer=True)
+    sink = CpuSink(defer=True)
     got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=3, buffer_bytes=8192)
     assert_same(got, ref_load(path))
     assert stats.bytes > 40 * 3 * 8192
@@ -213,13 +215,13 @@ def test_subsets(write_st, seed):
     tensors = mixed_tensors(seed)
     path = write_st(tensors)
     names = rng.sample(sorted(tensors), rng.randint(1, len(tensors)))
-    sink = _staging.CpuSink(defer=True)
+    sink = CpuSink(defer=True)
     got, stats = _staging.load_to_device(path, None, names=names, sink=sink, ring_buffers=2,
                                   buffer_bytes=rng.choice([1, 100, 4096]))
     assert_same(got, ref_load(path, names))
     check_order(sink.log)
     h = Handle(path, "pread")
-    _, stats = _staging.load_to_device(h, None, names=names, sink=_staging.CpuSink(), buffer_bytes=64)
+    _, stats = _staging.load_to_device(h, None, names=names, sink=CpuSink(), buffer_bytes=64)
     wanted = sum(i.nbytes for i in h.infos() if i.name in names)
     assert h.stats().bytes_read == stats.read.bytes_read == wanted  # only the wanted bytes are read
     h.close()
@@ -228,7 +230,7 @@ def test_subsets(write_st, seed):
 def test_missing_name(write_st):
     path = write_st({"a": make_tensor("F32", (3,))})
     with pytest.raises(SafetensorError, match="File does not contain tensor nope"):
-        _staging.load_to_device(path, None, names=["nope"], sink=_staging.CpuSink())
+        _staging.load_to_device(path, None, names=["nope"], sink=CpuSink())
 
 
 @pytest.mark.parametrize("code", list(TORCH_DTYPES))
@@ -237,7 +239,7 @@ def test_every_dtype(write_st, code):
                "empty": make_tensor(code, (0, 3), 2),
                "odd": make_tensor(code, (3, 5, 7), 3)}
     path = write_st(tensors)
-    sink = _staging.CpuSink(defer=True)
+    sink = CpuSink(defer=True)
     got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=3)
     assert_same(got, ref_load(path))
     check_order(sink.log)
@@ -246,29 +248,29 @@ def test_every_dtype(write_st, code):
 def test_shards_share_one_ring(write_st):
     a = write_st(mixed_tensors(1), name="a.safetensors")
     b = write_st({f"other{i}": make_tensor("F16", (17, i + 1), i) for i in range(9)}, name="b.safetensors")
-    sink = _staging.CpuSink(defer=True)
+    sink = CpuSink(defer=True)
     got, stats = _staging.load_to_device([a, b], None, sink=sink, ring_buffers=2, buffer_bytes=256)
     assert_same(got, {**ref_load(a), **ref_load(b)})
     check_order(sink.log)
     assert stats.buffers == 2
     # Selections per shard.
-    got, stats = _staging.load_to_device([a, b], None, names=[None, ["other3"]], sink=_staging.CpuSink())
+    got, stats = _staging.load_to_device([a, b], None, names=[None, ["other3"]], sink=CpuSink())
     assert sorted(got) == sorted(list(ref_load(a)) + ["other3"])
     with pytest.raises(ValueError):
-        _staging.load_to_device([a, b], None, names=[None], sink=_staging.CpuSink())
+        _staging.load_to_device([a, b], None, names=[None], sink=CpuSink())
 
 
 def test_duplicate_across_shards(write_st):
     a = write_st({"x": make_tensor("F32", (2,))}, name="a.safetensors")
     b = write_st({"x": make_tensor("F32", (2,))}, name="b.safetensors")
     with pytest.raises(SafetensorError, match="tensor x appears in more than one shard"):
-        _staging.load_to_device([a, b], None, sink=_staging.CpuSink())
+        _staging.load_to_device([a, b], None, sink=CpuSink())
 
 
 def test_progress(write_st):
     path = write_st(mixed_tensors(3))
     calls = []
-    _, stats = _staging.load_to_device(path, None, sink=_staging.CpuSink(), buffer_bytes=500,
+    _, stats = _staging.load_to_device(path, None, sink=CpuSink(), buffer_bytes=500,
                             progress=lambda d, t: calls.append((d, t)))
     total = stats.bytes
     assert calls and calls[-1] == (total, total)
@@ -278,7 +280,7 @@ def test_progress(write_st):
 def test_error_mid_load_aborts(write_st):
     path = write_st({"a": make_tensor("U8", (4000,))})
 
-    class Failing(_staging.CpuSink):
+    class Failing(CpuSink):
         aborted = False
 
         def copy_fill(self, index, pairs):
@@ -298,7 +300,7 @@ def test_error_mid_load_aborts(write_st):
 def test_host_then_to_sink(write_st):
     """The MPS / other-device path (here to the CPU): lazy host tensors, then ``.to``."""
     path = write_st(mixed_tensors(4))
-    sink = _staging.HostThenToSink(torch.device("cpu"))
+    sink = HostThenToSink(torch.device("cpu"))
     assert not sink.eager_dest and not sink.pinned
     got, stats = _staging.load_to_device(path, None, sink=sink, ring_buffers=2, buffer_bytes=333)
     assert_same(got, ref_load(path))

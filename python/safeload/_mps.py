@@ -11,7 +11,7 @@ tensors, 1x memory.
 
 Everything that can fail (torch without the alias, an alias that raises or looks wrong, a dtype
 the device refuses, device memory) fails before the first byte is read, and then :func:`load`
-returns None so the caller takes the host-then-``.to`` path (:class:`safeload._staging.HostThenToSink`)
+returns None so the caller takes the host-then-``.to`` path (:class:`safeload._sinks.HostThenToSink`)
 instead: never a wrong value. A missing or raising alias is remembered for the process
 (:data:`alias_usable`); other failures only affect the load at hand.
 

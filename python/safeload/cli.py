@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import urllib.parse
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PTH_NAME = "safeload_autopatch.pth"  # = safeload.patch.PTH_NAME (not imported: --help stays cheap)
@@ -291,23 +290,14 @@ def _message(exc: BaseException) -> str:
 
 
 def hash_targets(path: str) -> List[Tuple[str, str]]:
-    """The files ``safeload hash`` reads for ``path`` and the names it prints: a directory's or an
-    index's shards named relative to that directory (the index's folder), a file as given."""
+    """The files ``safeload hash`` reads for ``path`` and the names it prints: a directory's, an
+    index's or a prefix's shards named relative to the checkpoint's root (that directory, the
+    index's folder), a file (or an object) as given."""
     from ._safeload import checkpoint_files
 
-    if "://" in path:  # a URL: an object, or a prefix or index naming its shards
-        where = urllib.parse.urlsplit(path).path
-        if where.endswith(".safetensors"):
-            return [(path, path)]
-        folder = path.rsplit("/", 1)[0] if where.endswith(".json") else path.rstrip("/")
-        return [(f, f[len(folder) + 1:] if f.startswith(folder + "/") else f) for f in checkpoint_files(path)]
-    if os.path.isdir(path):
-        folder = path
-    elif path.endswith(".json") and os.path.isfile(path):
-        folder = os.path.dirname(path) or os.curdir
-    else:
-        return [(path, path)]
-    return [(f, os.path.relpath(f, folder)) for f in checkpoint_files(path)]
+    if not os.path.isdir(path) and os.path.isfile(path) and not path.endswith(".json"):
+        return [(path, path)]  # a file named as given, whatever its name
+    return checkpoint_files(path)
 
 
 def hash_files(paths: Sequence[str], threads: Optional[int] = None, out: Any = None) -> int:

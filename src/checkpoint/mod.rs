@@ -20,7 +20,7 @@ use crate::format::digest::Digest;
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
-use crate::read::engine::{ReadCounts, SharedTotals};
+use crate::read::counts::{ReadCounts, SharedTotals};
 use crate::read::source::{self, Part, ReadOptions, Source, Target, Tensors};
 use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy};
 
@@ -31,7 +31,7 @@ pub(crate) mod record;
 pub(crate) mod stream;
 pub(crate) mod verify;
 
-pub use pinned::Verified;
+pub use pinned::{Opening, Verified};
 
 /// What one read did: the strategy that ran (the backend asked for, resolved), its workers and
 /// request size, the bytes it moved.
@@ -457,7 +457,7 @@ impl Checkpoint {
     /// a map's view or cut, its pages asked of the kernel where the map is not resident; or
     /// exactly the ranges it needs read); `views`: the caller indexes
     /// views, so a slice of a map that is not one run comes back as the whole tensor's view
-    /// ([`Part::Whole`]). A pinned shard's part is cut from its hashed bytes.
+    /// (`Part::Whole`). A pinned shard's part is cut from its hashed bytes.
     pub fn read_slice(
         &self,
         shard: usize,

@@ -26,7 +26,7 @@ use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::platform::FileIdentity;
 use crate::read::buffer::TensorBytes;
-use crate::read::engine::ReadCounts;
+use crate::read::counts::ReadCounts;
 use crate::read::source::{self, ReadOptions, Target, Tensors};
 use crate::read::strategy::Backend;
 use crate::read::strategy::Purpose;
@@ -71,25 +71,34 @@ impl Pins {
     }
 }
 
+/// What an open is given, resolved (the binding's `OpenOptions` at open): the backend asked
+/// for, the reader's options, the store's settings, the digests the files must have and the
+/// verified record.
+#[derive(Debug, Clone, Default)]
+pub struct Opening {
+    pub backend: Backend,
+    pub read: ReadOptions,
+    pub store: Vec<(String, String)>,
+    pub pin: Option<Pin>,
+    pub record: Option<Record>,
+}
+
 impl Checkpoint {
-    /// [`Checkpoint::open_with`] of `paths`, pinned by `pin` when given ([`Checkpoint::expect`];
-    /// `root` as there): the one way every entry point opens a checkpoint it may verify.
+    /// [`Checkpoint::open_with`] of `paths` with what an open was given (`with`), pinned by its
+    /// `pin` when there is one ([`Checkpoint::expect`]; `root` as there): the one way every
+    /// entry point opens a checkpoint it may verify.
     pub fn open_pinned(
         paths: &[PathBuf],
         root: Option<&Path>,
-        backend: Backend,
-        opts: ReadOptions,
-        store: &crate::storage::remote::Options,
-        pin: Option<&Pin>,
-        record: Option<Record>,
+        with: &Opening,
     ) -> Result<Checkpoint> {
         let opts = ReadOptions {
-            hash: opts.hash || pin.is_some(),
-            ..opts
+            hash: with.read.hash || with.pin.is_some(),
+            ..with.read
         };
-        let mut ckpt = Checkpoint::open_with(paths, backend, opts, store)?;
-        if let Some(pin) = pin {
-            ckpt.expect(pin, root, record, store)?;
+        let mut ckpt = Checkpoint::open_with(paths, with.backend, opts, &with.store)?;
+        if let Some(pin) = &with.pin {
+            ckpt.expect(pin, root, with.record.clone(), &with.store)?;
         }
         Ok(ckpt)
     }
@@ -517,18 +526,11 @@ mod tests {
 
     fn pinned(path: &Path, digest: &str) -> Checkpoint {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let pin = Pin::Mapping(vec![(name, digest.to_string())]);
-        let opts = ReadOptions::default();
-        Checkpoint::open_pinned(
-            &[path.to_path_buf()],
-            None,
-            Backend::Auto,
-            opts,
-            &[],
-            Some(&pin),
-            None,
-        )
-        .unwrap()
+        let with = Opening {
+            pin: Some(Pin::Mapping(vec![(name, digest.to_string())])),
+            ..Opening::default()
+        };
+        Checkpoint::open_pinned(&[path.to_path_buf()], None, &with).unwrap()
     }
 
     #[test]

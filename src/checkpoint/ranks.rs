@@ -26,7 +26,7 @@ pub struct Wants<'a> {
 /// The load's plan: the shares of the tensors some rank needs, in (shard, offset) order, and the
 /// rounds (indices into `shares`): round k holds batch k of every rank's reads.
 #[derive(Debug)]
-pub struct Plan {
+pub struct SharePlan {
     pub shares: Vec<Share>,
     pub rounds: Vec<Vec<usize>>,
 }
@@ -145,7 +145,12 @@ fn needing(ckpt: &Checkpoint, world: usize, wants: &Wants<'_>) -> Result<Vec<Vec
 /// Plans the load of `ckpt` by `world` ranks: tensors no rank needs are left out, one needed by a
 /// single rank is read by it, the rest are split into contiguous runs balanced by bytes; each
 /// rank's run is cut into batches of at most `batch_bytes` (whole tensors, file order).
-pub fn plan(ckpt: &Checkpoint, world: usize, wants: &Wants<'_>, batch_bytes: u64) -> Result<Plan> {
+pub fn plan(
+    ckpt: &Checkpoint,
+    world: usize,
+    wants: &Wants<'_>,
+    batch_bytes: u64,
+) -> Result<SharePlan> {
     if world == 0 {
         return Err(Error::Checkpoint("a process group of no ranks".into()));
     }
@@ -189,7 +194,7 @@ pub fn plan(ckpt: &Checkpoint, world: usize, wants: &Wants<'_>, batch_bytes: u64
     let rounds = (0..n_rounds)
         .map(|k| (0..shares.len()).filter(|&s| batch_of[s] == k).collect())
         .collect();
-    Ok(Plan { shares, rounds })
+    Ok(SharePlan { shares, rounds })
 }
 
 /// What every rank must agree on before a shared load: shard file names and each tensor's place,

@@ -147,24 +147,10 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
     super::unix::map_anonymous_aligned(len, MAP_ALIGN)
 }
 
-/// No FUSE connection settings to read here.
-pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
-    None
-}
-
-/// No populate call here: the caller hints instead.
-pub fn populate_mapped(_ptr: NonNull<u8>, _len: usize) -> bool {
-    false
-}
-
-/// No prefault call here: the writes fault.
-pub fn prefault(_ptr: *mut u8, _len: usize) {}
-
-pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
-
-pub fn huge_page_faults_cannot_stall() -> bool {
-    false
-}
+pub use super::elsewhere::{
+    advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
+    prefault,
+};
 
 #[cfg(test)]
 mod tests {

@@ -18,6 +18,8 @@ use std::io::{self, IoSliceMut};
 use std::path::Path;
 use std::ptr::NonNull;
 
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+mod elsewhere;
 #[cfg(unix)]
 mod unix;
 

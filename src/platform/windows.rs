@@ -292,24 +292,10 @@ pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, _len: usize) {
     unsafe { VirtualFree(ptr.as_ptr().cast(), 0, MEM_RELEASE) };
 }
 
-/// No FUSE connection settings to read here.
-pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
-    None
-}
-
-/// No populate call here: the caller hints instead.
-pub fn populate_mapped(_ptr: NonNull<u8>, _len: usize) -> bool {
-    false
-}
-
-/// No prefault call here: the writes fault.
-pub fn prefault(_ptr: *mut u8, _len: usize) {}
-
-pub fn advise_huge_pages(_ptr: NonNull<u8>, _len: usize) {}
-
-pub fn huge_page_faults_cannot_stall() -> bool {
-    false
-}
+pub use super::elsewhere::{
+    advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
+    prefault,
+};
 
 #[cfg(test)]
 mod tests {

@@ -70,21 +70,19 @@ impl Checkpoint {
         hash: bool,
         keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let given = OpenOptions::given(py, options, keywords)?.get().resolve()?;
-        let (backend, store, pin, record) = (given.backend, given.store, given.pin, given.record);
-        let opts = crate::read::source::ReadOptions { hash, ..given.read };
+        let mut given = OpenOptions::given(py, options, keywords)?.get().resolve()?;
+        given.read.hash |= hash;
         let inner = detached(py, |_| {
             let (files, root) = match &path_or_paths {
                 CheckpointArg::At(at) => {
                     // Resolved once: the files to open, and the folder their names are in.
-                    let files = checkpoint::Checkpoint::files_at(at, &store)?;
+                    let files = checkpoint::Checkpoint::files_at(at, &given.store)?;
                     let root = checkpoint::Checkpoint::root_of(at, &files);
                     (files, root)
                 }
                 CheckpointArg::Files(paths) => (paths.clone(), None),
             };
-            let (root, pin) = (root.as_deref(), pin.as_ref());
-            checkpoint::Checkpoint::open_pinned(&files, root, backend, opts, &store, pin, record)
+            checkpoint::Checkpoint::open_pinned(&files, root.as_deref(), &given)
         })?;
         Ok(Checkpoint {
             inner: RwLock::new(Some(Arc::new(inner))),

@@ -2,6 +2,7 @@
 //! and `sha256sum` manifests read and written by the core's one parser and writer
 //! (`crate::format::digest`), and a checkpoint's shard files (what `hash` expands a directory to).
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -100,16 +101,28 @@ pub(super) fn known_digest(
 }
 
 /// The shard files of the checkpoint at `at` (a file, a directory, an index.json, a URL or a
-/// prefix), in order, as `Checkpoint(at)` opens them: strings (a URL is not a path, whose `//`
-/// a `pathlib.Path` would fold).
+/// prefix), in order, as `Checkpoint(at)` opens them, each with its name in a manifest: relative
+/// to the checkpoint's root (`Checkpoint::root_of`: the directory, the index's folder, the
+/// prefix), `at` itself for one file. Strings (a URL is not a path: a `pathlib.Path` would fold
+/// its `//`).
 #[pyfunction]
 #[pyo3(signature = (at, *, storage_options=None))]
 pub(super) fn checkpoint_files(
     py: Python<'_>,
     at: PathBuf,
     storage_options: Option<StorageOptions>,
-) -> PyResult<Vec<std::ffi::OsString>> {
+) -> PyResult<Vec<(OsString, OsString)>> {
     let store = storage_options.unwrap_or_default().0;
     let files = detached(py, |_| Checkpoint::files_at(&at, &store))?;
-    Ok(files.into_iter().map(PathBuf::into_os_string).collect())
+    let root = Checkpoint::root_of(&at, &files);
+    let named = |file: PathBuf| {
+        let name = (root.as_deref())
+            .and_then(|r| file.strip_prefix(r).ok())
+            .map_or_else(
+                || file.clone().into_os_string(),
+                |n| n.as_os_str().to_owned(),
+            );
+        (file.into_os_string(), name)
+    };
+    Ok(files.into_iter().map(named).collect())
 }

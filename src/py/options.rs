@@ -11,8 +11,7 @@ use pyo3::types::PyDict;
 
 use super::args::{BackendArg, VerifyArg, options, verify_record};
 use super::remote::StorageOptions;
-use crate::checkpoint::record::Record;
-use crate::checkpoint::verify::Pin;
+use crate::checkpoint::Opening;
 use crate::read::source::ReadOptions;
 use crate::read::strategy::Backend;
 
@@ -26,15 +25,6 @@ pub struct OpenOptions {
     store: Vec<(String, String)>,
     verify: Option<VerifyArg>,
     verify_cache: Option<PathBuf>,
-}
-
-/// What an open uses: the options with the environment's word taken where the caller left it.
-pub(super) struct Resolved {
-    pub backend: Backend,
-    pub read: ReadOptions,
-    pub store: Vec<(String, String)>,
-    pub pin: Option<Pin>,
-    pub record: Option<Record>,
 }
 
 impl OpenOptions {
@@ -76,10 +66,10 @@ impl OpenOptions {
     /// What an open uses: `verify` (not given: `$SAFELOAD_VERIFY`), the backend it leaves (see
     /// [`VerifyArg::pin`]) and the verified record (`verify_cache`, else
     /// `$SAFELOAD_VERIFY_CACHE`), read now, as each open reads them.
-    pub(super) fn resolve(&self) -> PyResult<Resolved> {
+    pub(super) fn resolve(&self) -> PyResult<Opening> {
         let (pin, backend) = VerifyArg::pin(self.verify.clone(), self.backend)?;
         let record = verify_record(self.verify_cache.clone(), pin.as_ref())?;
-        Ok(Resolved {
+        Ok(Opening {
             backend,
             read: self.read,
             store: self.store.clone(),

@@ -1,4 +1,4 @@
-//! The reader: workers claim chunks of a [`Plan`] in offset order and `preadv` them straight into
+//! The reader: workers claim chunks of a [`ChunkPlan`] in offset order and `preadv` them straight into
 //! their destinations. One pass over every byte, no intermediate copy, no Python. A chunk read
 //! in full still fails when the file no longer covers it ([`backing::confirm_covered`]).
 //!
@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::platform::{self, Uncached};
 use crate::read::buffer::Region;
+use crate::read::counts::ReadCounts;
 use crate::read::filehash::{Ordered, Raw, Slot};
-use crate::read::plan::{Chunk, Plan, Segment, Transform};
-use crate::read::strategy::Strategy;
+use crate::read::plan::{Chunk, ChunkPlan, Segment, Transform, distribute};
 use crate::storage::backing::{self, Backing, ended_early};
 
 /// How often the waiting thread calls `poll`.
@@ -46,68 +46,6 @@ pub struct Settings {
     pub threads: usize,
     /// Each worker opens its own descriptor (network filesystems serialise reads on one fd).
     pub own_fds: bool,
-}
-
-/// What reads moved, as the engine counts them: the bytes read from files, the seconds spent,
-/// the most workers one ran, and whether uncached reads were refused (and buffered reads used
-/// instead). One read's, or several added up ([`ReadCounts::add`]). The statistics types, one
-/// per layer: these counts (the engine); [`SharedTotals`] (a checkpoint's counts across
-/// threads); `checkpoint::ReadStats` (what a read or the totals did, with the strategy and
-/// storage callers are told); the binding's `Stats` and `StagingStats` (the same for Python, and
-/// a device staging ring's own figures).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ReadCounts {
-    pub bytes: u64,
-    pub seconds: f64,
-    pub threads: usize,
-    /// Uncached reads were refused (EINVAL) and buffered reads were used instead.
-    pub direct_refused: bool,
-}
-
-impl ReadCounts {
-    /// The strategy a read asked to use `asked` ran with: pread where uncached reads were
-    /// refused.
-    pub fn ran_with(&self, asked: Strategy) -> Strategy {
-        match asked {
-            Strategy::Direct if self.direct_refused => Strategy::Pread,
-            asked => asked,
-        }
-    }
-
-    /// Adds `other` in: bytes and seconds add up, the most workers either used.
-    pub fn add(&mut self, other: &ReadCounts) {
-        self.bytes += other.bytes;
-        self.seconds += other.seconds;
-        self.threads = self.threads.max(other.threads);
-        self.direct_refused |= other.direct_refused;
-    }
-}
-
-/// A checkpoint's [`ReadCounts`] added up as its reads finish, on whichever thread (its
-/// read-aheads' and prefetch loaders' included, so a handle's stats count every read made for
-/// it), with the strategy of the latest read that moved bytes (the first read's while none has).
-#[derive(Debug, Default)]
-pub struct SharedTotals(Mutex<(ReadCounts, Option<Strategy>)>);
-
-impl SharedTotals {
-    /// Counts one read that asked for `strategy`.
-    pub fn add(&self, strategy: Strategy, report: &ReadCounts) {
-        let strategy = report.ran_with(strategy);
-        let mut tally = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let (sum, latest) = &mut *tally;
-        sum.add(&ReadCounts {
-            direct_refused: false,
-            ..*report
-        });
-        if report.bytes > 0 || latest.is_none() {
-            *latest = Some(strategy);
-        }
-    }
-
-    /// The reads so far, and the strategy of the latest that moved bytes.
-    pub fn get(&self) -> (ReadCounts, Option<Strategy>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
 /// Worker count when the caller does not choose: one per core, at least 2, at most 8.
@@ -169,7 +107,12 @@ impl<'a> Worker<'a> {
     }
 
     /// Reads chunk `index`, then feeds `hash` (its file's, when hashed) with its file bytes.
-    fn read(&mut self, plan: &Plan<'_>, index: usize, hash: Option<&Ordered<'_>>) -> Result<()> {
+    fn read(
+        &mut self,
+        plan: &ChunkPlan<'_>,
+        index: usize,
+        hash: Option<&Ordered<'_>>,
+    ) -> Result<()> {
         let chunk = &plan.chunks[index];
         let raw = self.read_raw(plan, chunk)?;
         if let Some(hash) = hash {
@@ -189,7 +132,7 @@ impl<'a> Worker<'a> {
     }
 
     /// Reads one chunk into its destinations; returns where its file bytes are.
-    fn read_raw(&mut self, plan: &Plan<'_>, chunk: &Chunk) -> Result<RawAt> {
+    fn read_raw(&mut self, plan: &ChunkPlan<'_>, chunk: &Chunk) -> Result<RawAt> {
         let input = &self.files.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
         let to_error = |(done, source): (usize, io::Error)| Error::Read {
@@ -246,7 +189,8 @@ impl<'a> Worker<'a> {
         }
         let bytes = &mut self.scratch[..chunk.len];
         object.read_into(chunk.offset, &mut [&mut *bytes], self.stop)?;
-        distribute(bytes, segments)?;
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        unsafe { distribute(bytes, segments) }?;
         Ok(RawAt::Scratch)
     }
 
@@ -292,7 +236,8 @@ impl<'a> Worker<'a> {
                 )
             }
         };
-        distribute(bytes, segments)?;
+        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+        unsafe { distribute(bytes, segments) }?;
         // Copied out: the destinations hold the file's bytes too.
         Ok(if converts { at } else { RawAt::Dests })
     }
@@ -353,29 +298,6 @@ fn read_into_scratch<'s>(scratch: &'s mut Vec<u8>, file: &File, chunk: &Chunk) -
     Ok(buf)
 }
 
-/// Copies or converts a chunk's bytes, in order, into its segments.
-fn distribute(bytes: &[u8], segments: &[Segment]) -> IoResult {
-    let mut from = 0usize;
-    for s in segments {
-        let src = &bytes[from..from + s.len];
-        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
-        let dest = unsafe { s.dest_mut() };
-        match s.transform {
-            Transform::Copy => dest.copy_from_slice(src),
-            Transform::Convert { from: a, to: b } => {
-                crate::format::convert::convert(a, b, src, dest).map_err(|e| {
-                    (
-                        from,
-                        io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
-                    )
-                })?
-            }
-        }
-        from += s.len;
-    }
-    Ok(())
-}
-
 /// Where a chunk's file bytes are once it is read (what its hash is computed from).
 #[derive(Clone, Copy)]
 enum RawAt {
@@ -394,7 +316,7 @@ type IoBytes<'b> = std::result::Result<&'b [u8], (usize, io::Error)>;
 /// Reads every chunk of `plan`. `poll` returns true to cancel (then the result is `Cancelled`).
 pub fn execute(
     inputs: &[Input<'_>],
-    plan: &Plan<'_>,
+    plan: &ChunkPlan<'_>,
     settings: Settings,
     poll: &mut dyn FnMut() -> bool,
 ) -> Result<ReadCounts> {
@@ -467,7 +389,7 @@ pub fn execute(
 /// started (given back to its source when dropped).
 fn claim_hashes<'s>(
     inputs: &[Input<'s>],
-    plan: &Plan<'_>,
+    plan: &ChunkPlan<'_>,
     workers: usize,
 ) -> Vec<Option<Ordered<'s>>> {
     let claim = |(i, input): (usize, &Input<'s>)| {
@@ -601,7 +523,7 @@ mod tests {
             (3, true, true),
         ] {
             let mut bufs = crate::read::buffer::allocate(&sizes).unwrap();
-            let mut plan = Plan::new(1 << 20);
+            let mut plan = ChunkPlan::new(1 << 20);
             let mut at = 0u64;
             for (b, &len) in bufs.iter_mut().zip(&sizes) {
                 plan.add(0, at, b.as_mut_slice(), "t");
@@ -639,7 +561,7 @@ mod tests {
             let [first, second] = &mut bufs[..] else {
                 unreachable!()
             };
-            let mut plan = Plan::new(1 << 20);
+            let mut plan = ChunkPlan::new(1 << 20);
             plan.add(0, 0, first.as_mut_slice(), "first");
             plan.add(0, 50, second.as_mut_slice(), "second");
             let inputs = [Input {
@@ -674,7 +596,7 @@ mod tests {
             let [first, second] = &mut bufs[..] else {
                 unreachable!()
             };
-            let mut plan = Plan::new(1 << 20);
+            let mut plan = ChunkPlan::new(1 << 20);
             plan.add(0, 4096, first.as_mut_slice(), "first");
             let (f16, f32) = (
                 crate::format::dtype::Dtype::F16,
@@ -706,7 +628,7 @@ mod tests {
     fn poll_cancels() {
         let (path, file) = temp_file(&[0u8; 64 << 10], "cancel");
         let mut bufs = crate::read::buffer::allocate(&[64 << 10]).unwrap();
-        let mut plan = Plan::new(4096);
+        let mut plan = ChunkPlan::new(4096);
         plan.add(0, 0, bufs[0].as_mut_slice(), "t");
         let inputs = [Input {
             path: &path,

@@ -18,7 +18,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::format::digest::{Digest, Sha256};
-use crate::read::plan::Plan;
+use crate::read::plan::ChunkPlan;
 
 /// How often a worker waiting for room in the queue looks at the read's stop flag.
 const WAIT: Duration = Duration::from_millis(20);
@@ -132,7 +132,12 @@ impl<'s> Ordered<'s> {
     /// Takes the hash out of `slot` for a read of `plan` by `workers` workers (its chunks of
     /// file `file` feed it); None when the hash was not started or another read holds it. The
     /// hash goes back to the slot when this is dropped.
-    pub fn claim(slot: &'s Slot, plan: &Plan<'_>, file: usize, workers: usize) -> Option<Self> {
+    pub fn claim(
+        slot: &'s Slot,
+        plan: &ChunkPlan<'_>,
+        file: usize,
+        workers: usize,
+    ) -> Option<Self> {
         let mut hash = slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
         let mut hashable = vec![false; plan.chunks.len()];
         let mut reach = hash.cursor;
@@ -165,7 +170,13 @@ impl<'s> Ordered<'s> {
     /// cursor and no other worker hashes (then the queued chunks that follow on too), else
     /// queued. A worker holding its bytes in its own buffer waits while the queue holds
     /// `max_held` such buffers (or until `stop`).
-    pub fn finished(&self, plan: &Plan<'_>, index: usize, mut raw: Raw<'_>, stop: &AtomicBool) {
+    pub fn finished(
+        &self,
+        plan: &ChunkPlan<'_>,
+        index: usize,
+        mut raw: Raw<'_>,
+        stop: &AtomicBool,
+    ) {
         if !self.hashable[index] {
             return;
         }
@@ -211,7 +222,7 @@ impl<'s> Ordered<'s> {
 
     /// Hashes the queued chunks that follow on from the cursor, one at a time (the queue is
     /// unlocked while hashing), then puts the hash back for the next worker at the cursor.
-    fn drain(&self, mut hash: FileHash, plan: &Plan<'_>) {
+    fn drain(&self, mut hash: FileHash, plan: &ChunkPlan<'_>) {
         let mut freed: Option<Vec<u8>> = None;
         loop {
             let mut queue = self.lock();
@@ -264,7 +275,7 @@ impl Drop for Ordered<'_> {
 }
 
 /// Hashes chunk `index`, whose file bytes are in its destinations (every segment copies).
-fn feed_dests(hash: &mut FileHash, plan: &Plan<'_>, index: usize) {
+fn feed_dests(hash: &mut FileHash, plan: &ChunkPlan<'_>, index: usize) {
     let chunk = &plan.chunks[index];
     let mut at = chunk.offset;
     for segment in &plan.segments[chunk.segments.clone()] {

@@ -28,7 +28,7 @@ pub enum Transform {
     Convert { from: Dtype, to: Dtype },
 }
 
-/// A destination for `len` file bytes. Private: only [`Plan::add`] makes them, from a borrow.
+/// A destination for `len` file bytes. Private: only [`ChunkPlan::add`] makes them, from a borrow.
 #[derive(Debug, Clone, Copy)]
 pub struct Segment {
     dest: *mut u8,
@@ -37,7 +37,7 @@ pub struct Segment {
     /// Bytes written at `dest` (`len` unless converting).
     pub dest_len: usize,
     pub transform: Transform,
-    /// Index into [`Plan::tensors`], for error messages.
+    /// Index into [`ChunkPlan::tensors`], for error messages.
     pub tensor: usize,
 }
 
@@ -46,10 +46,10 @@ impl Segment {
     ///
     /// # Safety
     /// Only one writer at a time may use the segment (the engine hands each chunk to one worker),
-    /// and only while the [`Plan`] holding it is alive.
+    /// and only while the [`ChunkPlan`] holding it is alive.
     #[allow(clippy::mut_from_ref)] // the exclusivity is the caller's contract, checked by the engine
     pub unsafe fn dest_mut(&self) -> &mut [u8] {
-        // SAFETY: made from a `&'d mut [u8]` borrowed for the plan's lifetime (Plan::add); the
+        // SAFETY: made from a `&'d mut [u8]` borrowed for the plan's lifetime (ChunkPlan::add); the
         // caller's contract gives exclusive use.
         unsafe { std::slice::from_raw_parts_mut(self.dest, self.dest_len) }
     }
@@ -58,11 +58,40 @@ impl Segment {
     ///
     /// # Safety
     /// Nothing may write the segment meanwhile (its chunk is finished: the engine hands each
-    /// chunk to one worker, once), and only while the [`Plan`] holding it is alive.
+    /// chunk to one worker, once), and only while the [`ChunkPlan`] holding it is alive.
     pub unsafe fn dest(&self) -> &[u8] {
         // SAFETY: as `dest_mut`; the caller's contract rules out a writer.
         unsafe { std::slice::from_raw_parts(self.dest, self.dest_len) }
     }
+}
+
+/// Copies or converts a chunk's bytes (`bytes`, read from the file), in order, into its
+/// segments; an error says where in `bytes` a conversion failed.
+///
+/// # Safety
+/// As [`Segment::dest_mut`]: the caller is the only writer of these segments (the engine hands
+/// each chunk to one worker), and the [`ChunkPlan`] holding them is alive.
+pub unsafe fn distribute(
+    bytes: &[u8],
+    segments: &[Segment],
+) -> Result<(), (usize, std::io::Error)> {
+    let mut from = 0usize;
+    for s in segments {
+        let src = &bytes[from..from + s.len];
+        // SAFETY: the caller's contract (one writer, the plan alive).
+        let dest = unsafe { s.dest_mut() };
+        match s.transform {
+            Transform::Copy => dest.copy_from_slice(src),
+            Transform::Convert { from: a, to: b } => {
+                crate::format::convert::convert(a, b, src, dest).map_err(|e| {
+                    let kind = std::io::ErrorKind::InvalidData;
+                    (from, std::io::Error::new(kind, e.to_string()))
+                })?
+            }
+        }
+        from += s.len;
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone)]
@@ -72,14 +101,14 @@ pub struct Chunk {
     /// Absolute offset in that file.
     pub offset: u64,
     pub len: usize,
-    /// Range of [`Plan::segments`].
+    /// Range of [`ChunkPlan::segments`].
     pub segments: std::ops::Range<usize>,
 }
 
 /// Chunks in the order workers claim them (file order, then offset order), writing into
 /// destinations borrowed for `'d`.
 #[derive(Debug, Default)]
-pub struct Plan<'d> {
+pub struct ChunkPlan<'d> {
     pub chunks: Vec<Chunk>,
     pub segments: Vec<Segment>,
     /// Tensor names, for error messages.
@@ -90,13 +119,13 @@ pub struct Plan<'d> {
 
 // SAFETY: segments point into `&'d mut [u8]` borrows that the plan holds exclusively; workers
 // only write through the segments of the chunks they claim, each chunk claimed once.
-unsafe impl Send for Plan<'_> {}
+unsafe impl Send for ChunkPlan<'_> {}
 // SAFETY: as above.
-unsafe impl Sync for Plan<'_> {}
+unsafe impl Sync for ChunkPlan<'_> {}
 
-impl<'d> Plan<'d> {
+impl<'d> ChunkPlan<'d> {
     pub fn new(chunk_bytes: usize) -> Self {
-        Plan {
+        ChunkPlan {
             chunk_bytes: chunk_bytes.max(4096),
             chunks: Vec::new(),
             segments: Vec::new(),
@@ -232,7 +261,7 @@ mod tests {
         let mut big = vec![0u8; 10_000];
         let mut gap = [0u8; 5];
         let mut other = [0u8; 5];
-        let mut plan = Plan::new(4096);
+        let mut plan = ChunkPlan::new(4096);
         plan.add(0, 8, &mut a, "a");
         plan.add(0, 18, &mut b, "b");
         plan.add(0, 28, &mut big, "big");
@@ -268,7 +297,7 @@ mod tests {
         // 3 odd bytes first, so the BF16 tensor starts mid-chunk at an odd position.
         let mut odd = [0u8; 3];
         let mut wide = vec![0u8; 5000 * 4]; // 5000 BF16 elements into F32
-        let mut plan = Plan::new(4096);
+        let mut plan = ChunkPlan::new(4096);
         plan.add(0, 0, &mut odd, "odd");
         plan.add_converting(0, 3, &mut wide, Dtype::BF16, Dtype::F32, "w");
         let conv: Vec<&Segment> = plan
@@ -288,7 +317,7 @@ mod tests {
     #[test]
     fn files_take_turns_each_in_offset_order() {
         let mut bufs = [[0u8; 8192]; 3];
-        let mut plan = Plan::new(4096);
+        let mut plan = ChunkPlan::new(4096);
         let [a, b, c] = &mut bufs;
         plan.add(0, 0, a, "a");
         plan.add(1, 0, &mut b[..4096], "b");

@@ -20,8 +20,9 @@ pub fn cached_fraction(file: &File, offset: u64, len: u64) -> Option<f64> {
 }
 
 /// What the caller asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
+    #[default]
     Auto,
     Mmap,
     Pread,

@@ -123,23 +123,8 @@ impl Handle {
         keywords: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let given = OpenOptions::given(py, options, keywords)?.get().resolve()?;
-        let (backend, opts, store, pin, record) = (
-            given.backend,
-            given.read,
-            given.store,
-            given.pin,
-            given.record,
-        );
         let ckpt = detached(py, |poll| {
-            let ckpt = Checkpoint::open_pinned(
-                &[path],
-                None,
-                backend,
-                opts,
-                &store,
-                pin.as_ref(),
-                record,
-            )?;
+            let ckpt = Checkpoint::open_pinned(&[path], None, &given)?;
             ckpt.hold_all(poll)?;
             Ok(ckpt)
         })?;

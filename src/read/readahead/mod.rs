@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::format::header::TensorInfo;
 use crate::platform;
 use crate::read::buffer::{Fresh, TensorBytes};
-use crate::read::engine::SharedTotals;
+use crate::read::counts::SharedTotals;
 use crate::read::source::{self, ReadOptions, Source};
 pub use crate::read::strategy::Mode;
 use crate::read::strategy::Strategy;

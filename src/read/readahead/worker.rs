@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::format::header::TensorInfo;
 use crate::platform;
 use crate::read::buffer::{Fresh, TensorBytes};
-use crate::read::engine;
+use crate::read::counts::ReadCounts;
 use crate::read::source::{self, ReadOptions, Source};
 use crate::read::strategy::Strategy;
 
@@ -195,7 +195,7 @@ impl Shared {
         infos: &[&TensorInfo],
         mut dests: Vec<Fresh>,
         poll: &mut dyn FnMut() -> bool,
-    ) -> Result<(Vec<TensorBytes>, engine::ReadCounts)> {
+    ) -> Result<(Vec<TensorBytes>, ReadCounts)> {
         let source = &*self.source;
         let targets = infos
             .iter()
@@ -250,7 +250,7 @@ impl Shared {
         &self,
         infos: &[&TensorInfo],
         dests: Vec<Option<Fresh>>,
-    ) -> Result<(Vec<Option<TensorBytes>>, engine::ReadCounts)> {
+    ) -> Result<(Vec<Option<TensorBytes>>, ReadCounts)> {
         let source = &*self.source;
         match self.mode {
             Mode::Provided => {
@@ -279,10 +279,7 @@ impl Shared {
                 for (first, begin, end) in spans(infos) {
                     self.populate_span(first, begin, end);
                 }
-                Ok((
-                    infos.iter().map(|_| None).collect(),
-                    engine::ReadCounts::default(),
-                ))
+                Ok((infos.iter().map(|_| None).collect(), ReadCounts::default()))
             }
         }
     }

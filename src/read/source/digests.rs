@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 use crate::format::digest::Digest;
 use crate::read::buffer;
-use crate::read::engine::ReadCounts;
-use crate::read::plan::Plan;
+use crate::read::counts::ReadCounts;
+use crate::read::plan::ChunkPlan;
 use crate::read::strategy::{self, Backend, Purpose, Strategy};
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
@@ -105,13 +105,13 @@ fn hash_sources(
 }
 
 /// A plan of `spans` (file, data-area offset, destination) whose chunks take turns between the
-/// files ([`Plan::take_turns`]), so that the workers start every file's hash at once.
+/// files ([`ChunkPlan::take_turns`]), so that the workers start every file's hash at once.
 fn interleaved<'d>(
     sources: &[&Source],
     spans: Vec<(usize, u64, &'d mut [u8])>,
     chunk: usize,
-) -> Plan<'d> {
-    let mut plan = Plan::new(chunk);
+) -> ChunkPlan<'d> {
+    let mut plan = ChunkPlan::new(chunk);
     for (file, at, dest) in spans {
         add_span(&mut plan, file, sources[file], at, dest);
     }
@@ -122,7 +122,13 @@ fn interleaved<'d>(
 /// Adds the data-area bytes of `source` from `begin` on into `dest` to `plan` (as file `file`),
 /// cut at tensor boundaries so that a read error names the tensor. The header's rules make the
 /// tensors one contiguous run over the data area.
-fn add_span<'d>(plan: &mut Plan<'d>, file: usize, source: &Source, begin: u64, dest: &'d mut [u8]) {
+fn add_span<'d>(
+    plan: &mut ChunkPlan<'d>,
+    file: usize,
+    source: &Source,
+    begin: u64,
+    dest: &'d mut [u8],
+) {
     let tensors = &source.header.tensors;
     let mut at = begin as usize;
     let mut rest = dest;

@@ -18,6 +18,7 @@ use crate::format::header::{self, Header, TensorInfo};
 use crate::platform::FsKind;
 use crate::platform::{self, Uncached};
 use crate::read::buffer::{self, Region, TensorBytes};
+use crate::read::counts::ReadCounts;
 use crate::read::engine::{self, Input, Settings};
 use crate::read::filehash::{self, FileHash};
 use crate::read::strategy::{self, Strategy};
@@ -350,11 +351,11 @@ pub fn threads(sources: &[&Source], opts: &ReadOptions) -> usize {
 /// alike.
 fn execute(
     sources: &[&Source],
-    plan: &crate::read::plan::Plan<'_>,
+    plan: &crate::read::plan::ChunkPlan<'_>,
     strategies: &[Strategy],
     opts: &ReadOptions,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<engine::ReadCounts> {
+) -> Result<ReadCounts> {
     let inputs: Vec<Input<'_>> = (sources.iter().zip(strategies))
         .map(|(s, strategy)| s.input(*strategy, opts))
         .collect();

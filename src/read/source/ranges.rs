@@ -5,9 +5,9 @@ use crate::error::{Error, Result};
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
 use crate::read::buffer::{self, TensorBytes};
-use crate::read::engine::ReadCounts;
-use crate::read::plan::Plan;
-use crate::read::strategy::{Mode, Plan as ReadPlan, Strategy};
+use crate::read::counts::ReadCounts;
+use crate::read::plan::ChunkPlan;
+use crate::read::strategy::{Mode, Plan, Strategy};
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
 use crate::platform;
@@ -40,7 +40,7 @@ impl Source {
     /// - `Mmap`: a view of the map when the slice is one run, else the whole tensor's view where
     ///   the caller indexes views (`views`), else cut out of the map. Where the plan reads ahead
     ///   (`Mode::PageCache`: the file is not resident), the kernel is first asked for exactly the
-    ///   pages the slice touches, all at once ([`gather`]'s spans), and told not to read around
+    ///   pages the slice touches, all at once (`gather`'s spans), and told not to read around
     ///   them when they are touched: the caller's touches then wait on the disk's full queue, and
     ///   nothing another rank needs is read. Those bytes count as read.
     /// - `Pread` / `Direct`: exactly the ranges it needs, asked of the kernel at once, read by the
@@ -51,7 +51,7 @@ impl Source {
         &self,
         info: &TensorInfo,
         plan: &SlicePlan,
-        how: ReadPlan,
+        how: Plan,
         views: bool,
         opts: &ReadOptions,
         poll: &mut dyn FnMut() -> bool,
@@ -86,7 +86,7 @@ impl Source {
             .pop()
             .expect("one size, one buffer");
         let mut scratch = vec![0u8; spans.iter().filter(|s| s.gathers()).map(|s| s.len).sum()];
-        let mut read = Plan::new(chunk_bytes(&[self], opts));
+        let mut read = ChunkPlan::new(chunk_bytes(&[self], opts));
         let (mut free, mut rest): (&mut [u8], &mut [u8]) = (&mut scratch, out.as_mut_slice());
         for span in &spans {
             let len = runs[span.runs.clone()].iter().map(|r| r.1).sum();
@@ -274,7 +274,7 @@ pub fn read_data_ranges(
     };
     let mut ranges = ranges;
     ranges.sort_by_key(|(offset, _)| *offset);
-    let mut plan = Plan::new(chunk_bytes(&[source], opts));
+    let mut plan = ChunkPlan::new(chunk_bytes(&[source], opts));
     for (offset, dest) in ranges {
         let name = name_at(offset).unwrap_or("<data>");
         plan.add(0, source.header.data_start() + offset, dest, name);

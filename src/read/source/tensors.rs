@@ -5,8 +5,8 @@ use crate::error::{Error, Result};
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::read::buffer::{self, Fresh, TensorBytes};
-use crate::read::engine::ReadCounts;
-use crate::read::plan::Plan;
+use crate::read::counts::ReadCounts;
+use crate::read::plan::ChunkPlan;
 use crate::read::strategy::Strategy;
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
@@ -67,7 +67,7 @@ pub fn read_targets(
     check_fits(sources, &targets)?;
     let mut targets = targets;
     targets.sort_by_key(|t| (t.source, t.info.begin));
-    let mut plan = Plan::new(chunk_bytes(sources, opts));
+    let mut plan = ChunkPlan::new(chunk_bytes(sources, opts));
     for t in targets {
         let at = sources[t.source].header.data_start() + t.info.begin as u64;
         if t.dtype == t.info.dtype {
