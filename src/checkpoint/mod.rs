@@ -31,7 +31,7 @@ pub(crate) mod record;
 pub(crate) mod stream;
 pub(crate) mod verify;
 
-pub use pinned::{Opening, Verified};
+pub use pinned::Verified;
 
 /// What one read did: the strategy that ran (the backend asked for, resolved), its workers and
 /// request size, the bytes it moved.
@@ -49,6 +49,18 @@ pub struct ReadStats {
     /// What the read's plan leaves to be read ahead after it (every tensor of a mapped file
     /// whose pages are not resident: `Purpose::All`); None in totals.
     pub ahead: Option<Mode>,
+}
+
+/// What an open is given, resolved (the binding's `OpenOptions` at open): the backend asked
+/// for, the reader's options, the store's settings, the digests the files must have and the
+/// verified record.
+#[derive(Debug, Clone, Default)]
+pub struct Opening {
+    pub backend: Backend,
+    pub read: ReadOptions,
+    pub store: Vec<(String, String)>,
+    pub pin: Option<verify::Pin>,
+    pub record: Option<record::Record>,
 }
 
 /// A tensor of the checkpoint: its shard and its header entry.

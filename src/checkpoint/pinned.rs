@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use super::{Checkpoint, Entry};
+use super::{Checkpoint, Entry, Opening};
 use crate::checkpoint::record::Record;
 use crate::checkpoint::verify::{self, Expected, Pin};
 use crate::error::{Error, Result};
@@ -28,7 +28,6 @@ use crate::platform::FileIdentity;
 use crate::read::buffer::TensorBytes;
 use crate::read::counts::ReadCounts;
 use crate::read::source::{self, ReadOptions, Target, Tensors};
-use crate::read::strategy::Backend;
 use crate::read::strategy::Purpose;
 
 /// What verification did so far: files whose digest matched and their bytes, files the verified
@@ -69,18 +68,6 @@ impl Pins {
     fn held(&self, shard: usize) -> Held<'_> {
         self.held[shard].lock().unwrap_or_else(|p| p.into_inner())
     }
-}
-
-/// What an open is given, resolved (the binding's `OpenOptions` at open): the backend asked
-/// for, the reader's options, the store's settings, the digests the files must have and the
-/// verified record.
-#[derive(Debug, Clone, Default)]
-pub struct Opening {
-    pub backend: Backend,
-    pub read: ReadOptions,
-    pub store: Vec<(String, String)>,
-    pub pin: Option<Pin>,
-    pub record: Option<Record>,
 }
 
 impl Checkpoint {
