@@ -114,6 +114,9 @@ impl<'a> Worker<'a> {
         hash: Option<&Ordered<'_>>,
     ) -> Result<()> {
         let chunk = &plan.chunks[index];
+        if hash.is_some() {
+            self.ask_ahead(plan, index);
+        }
         let raw = self.read_raw(plan, chunk)?;
         if let Some(hash) = hash {
             let len = chunk.len;
@@ -129,6 +132,22 @@ impl<'a> Worker<'a> {
             hash.finished(plan, index, raw, self.stop);
         }
         Ok(())
+    }
+
+    /// A read that hashes keeps to the cores its hashes leave (one reader on two cores): before
+    /// each chunk it asks the page cache for the next one of the same file, so the disk reads on
+    /// while this reader waits for the chunk in hand. Buffered files only (an uncached read
+    /// would read it again).
+    fn ask_ahead(&mut self, plan: &ChunkPlan<'_>, index: usize) {
+        let (chunk, next) = (&plan.chunks[index], plan.chunks.get(index + 1));
+        let Some(next) = next.filter(|n| n.file == chunk.file) else {
+            return;
+        };
+        let input = &self.files.inputs[chunk.file];
+        if let (Backing::File(shared), None) = (input.backing, input.direct) {
+            let file = self.files.buffered(chunk.file, shared);
+            platform::prefetch(file, next.offset, next.len as u64);
+        }
     }
 
     /// Reads one chunk into its destinations; returns where its file bytes are.
@@ -335,8 +354,14 @@ pub fn execute(
     // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
     let remote = inputs.iter().any(|i| i.backing.may_wait_long());
     let inline = !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES);
-    let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads });
+    let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads }, !inline);
     let hash_of = |chunk: usize| hashes[plan.chunks[chunk].file].as_ref();
+    // A file's hash takes a core of its own: the readers keep to the cores left (at least one).
+    let hashing = hashes.iter().flatten().count();
+    let threads = match hashing {
+        0 => threads,
+        n => threads.min(platform::cores().saturating_sub(n).max(1)),
+    };
     if inline {
         let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
         for i in 0..plan.chunks.len() {
@@ -352,6 +377,9 @@ pub fn execute(
     let finished = (Mutex::new(0usize), Condvar::new());
 
     let cancelled = std::thread::scope(|scope| {
+        for hash in hashes.iter().flatten() {
+            scope.spawn(|| hash.hash_in_order(plan, &stop));
+        }
         for _ in 0..threads {
             scope.spawn(|| {
                 let mut worker = Worker::new(inputs, settings.own_fds, &direct_refused, &stop);
@@ -374,7 +402,11 @@ pub fn execute(
                 cv.notify_one();
             });
         }
-        wait_for(&finished, threads, &stop, poll)
+        let cancelled = wait_for(&finished, threads, &stop, poll);
+        for hash in hashes.iter().flatten() {
+            hash.read_done();
+        }
+        cancelled
     });
     if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
@@ -386,14 +418,15 @@ pub fn execute(
 }
 
 /// Each input's hash, taken for a read of `plan` by `workers` workers where it is asked for and
-/// started (given back to its source when dropped).
+/// started (given back to its source when dropped); `hasher`: each hashes on a thread of its own.
 fn claim_hashes<'s>(
     inputs: &[Input<'s>],
     plan: &ChunkPlan<'_>,
     workers: usize,
+    hasher: bool,
 ) -> Vec<Option<Ordered<'s>>> {
     let claim = |(i, input): (usize, &Input<'s>)| {
-        (input.hash).and_then(|slot| Ordered::claim(slot, plan, i, workers))
+        (input.hash).and_then(|slot| Ordered::claim(slot, plan, i, workers, hasher))
     };
     inputs.iter().enumerate().map(claim).collect()
 }

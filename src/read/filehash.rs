@@ -9,8 +9,10 @@
 //! Within one read, workers finish chunks out of order. [`Ordered`] puts them back in order:
 //! a finished chunk that is not at the cursor waits in a queue (its bytes stay in its
 //! destinations, alive until the plan ends, or, where they went through a worker's buffer to be
-//! converted, in that buffer, handed over), and whoever finishes the chunk at the cursor hashes
-//! it and every queued chunk that follows on from it, while the other workers go on reading.
+//! converted, in that buffer, handed over). A read of several workers hashes on a thread of its
+//! own ([`Ordered::hash_in_order`]): workers queue every chunk and go on reading, so the disk's
+//! queue stays full while one core hashes (one file's SHA-256 is serial; files hash side by
+//! side). A read on one thread hashes each chunk as it reaches the cursor.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,6 +117,14 @@ pub struct Ordered<'s> {
     /// Buffers the queue may hold (bytes converted on the way wait in them), after which a
     /// worker waits for the hash to catch up; 0: no limit (a single worker, which never queues).
     max_held: usize,
+    /// A thread of its own hashes ([`Ordered::hash_in_order`]): workers only queue their chunks
+    /// and go on reading. Else the worker that finishes the chunk at the cursor hashes.
+    hasher: bool,
+    /// Chunks this read hashes, and those hashed so far.
+    to_hash: usize,
+    hashed: std::sync::atomic::AtomicUsize,
+    /// The workers are done: nothing more will be queued.
+    read_done: AtomicBool,
 }
 
 struct Queue {
@@ -132,11 +142,13 @@ impl<'s> Ordered<'s> {
     /// Takes the hash out of `slot` for a read of `plan` by `workers` workers (its chunks of
     /// file `file` feed it); None when the hash was not started or another read holds it. The
     /// hash goes back to the slot when this is dropped.
+    /// `hasher`: a thread of its own will hash ([`Ordered::hash_in_order`]).
     pub fn claim(
         slot: &'s Slot,
         plan: &ChunkPlan<'_>,
         file: usize,
         workers: usize,
+        hasher: bool,
     ) -> Option<Self> {
         let mut hash = slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
         let mut hashable = vec![false; plan.chunks.len()];
@@ -161,9 +173,52 @@ impl<'s> Ordered<'s> {
                 spare: Vec::new(),
             }),
             turned: Condvar::new(),
+            to_hash: hashable.iter().filter(|&&h| h).count(),
             hashable,
-            max_held: if workers > 1 { workers } else { 0 },
+            max_held: if workers > 1 || hasher {
+                workers.max(2)
+            } else {
+                0
+            },
+            hasher,
+            hashed: std::sync::atomic::AtomicUsize::new(0),
+            read_done: AtomicBool::new(false),
         })
+    }
+
+    /// The hashing thread's loop ([`Ordered::claim`]'s `hasher`): hashes the queued chunks in
+    /// file order as they come, until every chunk this read hashes is hashed, the read stops
+    /// (`stop`), or the workers are done ([`Ordered::read_done`]) and the next chunk at the
+    /// cursor will never come (a failed read).
+    pub fn hash_in_order(&self, plan: &ChunkPlan<'_>, stop: &AtomicBool) {
+        loop {
+            let done = self.hashed.load(Ordering::Relaxed) >= self.to_hash;
+            if done || stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let mut queue = self.lock();
+            let ready = match (&queue.hash, queue.waiting.first_key_value()) {
+                (Some(hash), Some((&(offset, _), _))) => offset <= hash.cursor,
+                _ => false,
+            };
+            if ready {
+                let hash = queue.hash.take().expect("looked at above");
+                drop(queue);
+                self.drain(hash, plan);
+                continue;
+            }
+            if self.read_done.load(Ordering::Relaxed) {
+                return;
+            }
+            drop(self.turned.wait_timeout(queue, WAIT));
+        }
+    }
+
+    /// The workers are done: the hashing thread hashes what can be and ends.
+    pub fn read_done(&self) {
+        self.read_done.store(true, Ordering::Relaxed);
+        let _queue = self.lock();
+        self.turned.notify_all();
     }
 
     /// Chunk `index` of `plan` was read, its file bytes at `raw`: hashed now when it is at the
@@ -183,17 +238,24 @@ impl<'s> Ordered<'s> {
         let chunk = &plan.chunks[index];
         let mut queue = self.lock();
         loop {
-            if let Some(mut hash) = queue.hash.take_if(|h| chunk.offset <= h.cursor) {
+            let mine = !self.hasher;
+            if let Some(mut hash) = queue.hash.take_if(|h| mine && chunk.offset <= h.cursor) {
                 drop(queue);
                 match raw {
                     Raw::Dests => feed_dests(&mut hash, plan, index),
                     Raw::Owned(bytes) => hash.feed(chunk.offset, &bytes[..chunk.len]),
                     Raw::Lent(bytes) => hash.feed(chunk.offset, bytes),
                 }
+                self.hashed.fetch_add(1, Ordering::Relaxed);
                 return self.drain(hash, plan);
             }
             let holds = !matches!(raw, Raw::Dests);
-            if !holds || self.max_held == 0 || queue.held < self.max_held {
+            // The chunk the hash waits for (before every queued one) is taken whatever the queue
+            // holds: with a hashing thread, its worker must not wait for room the hash makes.
+            let first =
+                (queue.waiting.first_key_value()).is_none_or(|(&(o, _), _)| chunk.offset < o);
+            let room = self.max_held == 0 || queue.held < self.max_held;
+            if !holds || room || (self.hasher && first) {
                 let bytes = match &mut raw {
                     Raw::Dests => None,
                     Raw::Owned(buffer) => {
@@ -209,6 +271,10 @@ impl<'s> Ordered<'s> {
                 };
                 queue.held += usize::from(bytes.is_some());
                 queue.waiting.insert((chunk.offset, index), bytes);
+                if self.hasher {
+                    drop(queue);
+                    self.turned.notify_all();
+                }
                 return;
             }
             if stop.load(Ordering::Relaxed) {
@@ -246,6 +312,7 @@ impl<'s> Ordered<'s> {
                 Some(bytes) => hash.feed(offset, &bytes[..plan.chunks[index].len]),
                 None => feed_dests(&mut hash, plan, index),
             }
+            self.hashed.fetch_add(1, Ordering::Relaxed);
             if bytes.is_some() {
                 self.turned.notify_all();
             }
