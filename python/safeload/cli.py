@@ -295,7 +295,7 @@ def hash_targets(path: str) -> List[Tuple[str, str]]:
     index's folder), a file (or an object) as given."""
     from ._safeload import checkpoint_files
 
-    if not os.path.isdir(path) and os.path.isfile(path) and not path.endswith(".json"):
+    if os.path.isfile(path) and not path.endswith(".json"):
         return [(path, path)]  # a file named as given, whatever its name
     return checkpoint_files(path)
 

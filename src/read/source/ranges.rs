@@ -57,18 +57,17 @@ impl Source {
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Part, ReadCounts)> {
         let base = self.header.data_start() + info.begin as u64;
-        let runs = runs(plan, base);
         let page = self
             .backing
             .file()
             .map_or(0, |_| platform::page_size() as u64);
-        let spans = gather(&runs, page);
         if how.strategy == Strategy::Mmap {
             let whole = self.map_tensor(info)?;
             let mut report = ReadCounts::default();
+            // A resident map's part is a view and nothing more: its runs are not worked out.
             if how.ahead == Some(Mode::PageCache) {
                 self.read_exactly(whole.region());
-                report.bytes = self.prefetch_spans(&spans);
+                report.bytes = self.prefetch_spans(&gather(&runs(plan, base), page));
             }
             let part = match one_run(plan) {
                 Some(at) => Part::Bytes(whole.sub(at, plan.nbytes)),
@@ -77,6 +76,8 @@ impl Source {
             };
             return Ok((part, report));
         }
+        let runs = runs(plan, base);
+        let spans = gather(&runs, page);
         self.read_exactly(None);
         if how.strategy == Strategy::Pread {
             self.prefetch_spans(&spans);
