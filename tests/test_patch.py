@@ -31,6 +31,8 @@ ORIG: Dict[str, Any] = {
     "torch.load": safetensors.torch.load,
     "torch.load_model": safetensors.torch.load_model,
     "numpy.load_file": safetensors.numpy.load_file,
+    "torch.save_file": safetensors.torch.save_file,
+    "numpy.save_file": safetensors.numpy.save_file,
 }
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,6 +44,8 @@ def _current() -> Dict[str, Any]:
         "torch.load": safetensors.torch.load,
         "torch.load_model": safetensors.torch.load_model,
         "numpy.load_file": safetensors.numpy.load_file,
+        "torch.save_file": safetensors.torch.save_file,
+        "numpy.save_file": safetensors.numpy.save_file,
     }
 
 

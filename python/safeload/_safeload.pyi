@@ -46,6 +46,7 @@ __all__ = [
     "STAGING_RING_ENV",
     "BACKENDS",
     "serialize_file",
+    "serialize_files",
 ]
 
 __version__: str
@@ -371,5 +372,12 @@ def serialize_file(
     metadata: Optional[Dict[str, str]] = None,
     *,
     fsync: bool = False,
-) -> None: ...
+    hash: bool = False,
+) -> Optional[str]: ...
+def serialize_files(
+    files: List[Tuple[Dict[str, TensorSpec], Union[str, os.PathLike[str]], Optional[Dict[str, str]]]],
+    *,
+    fsync: bool = False,
+    hash: bool = False,
+) -> Optional[List[str]]: ...
 def deserialize(bytes: bytes) -> List[Tuple[str, Dict[str, Any]]]: ...

@@ -8,11 +8,12 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
+from . import _save
 from ._frameworks import to_numpy
 from ._open import safe_open
-from ._safeload import TensorSpec, deserialize, serialize, serialize_file
+from ._safeload import TensorSpec, deserialize, serialize
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = ["load", "load_file", "save", "save_file", "save_checkpoint"]
 
 
 def _is_little_endian(tensor: np.ndarray) -> bool:
@@ -55,10 +56,31 @@ def save_file(
     metadata: Optional[Dict[str, str]] = None,
     *,
     fsync: bool = False,
+    manifest: bool = False,
 ) -> None:
-    """Writes ``tensor_dict`` to ``filename`` atomically (temporary file + rename)."""
+    """Writes ``tensor_dict`` to ``filename`` atomically (temporary file + rename); ``fsync`` and
+    ``manifest`` as :func:`safeload.torch.save_file`'s."""
     keep_alive: List[Any] = []
-    serialize_file(_flatten(tensor_dict, keep_alive), filename, metadata=metadata, fsync=fsync)
+    _save.save_file(_flatten(tensor_dict, keep_alive), filename, metadata, fsync, manifest)
+
+
+def save_checkpoint(
+    tensor_dict: Dict[str, np.ndarray],
+    directory: Union[str, "os.PathLike[str]"],
+    *,
+    max_shard_size: Union[int, str] = _save.MAX_SHARD_SIZE,
+    metadata: Optional[Dict[str, str]] = None,
+    manifest: bool = True,
+    filename_pattern: str = _save.FILENAME_PATTERN,
+    fsync: bool = False,
+) -> List[str]:
+    """:func:`safeload.torch.save_checkpoint` for arrays (split by ``nbytes``, as
+    ``huggingface_hub.split_numpy_state_dict_into_shards``)."""
+    keep_alive: List[Any] = []
+    return _save.save_checkpoint(lambda shard: _flatten(shard, keep_alive), tensor_dict, directory,
+                                 (lambda n: int(tensor_dict[n].nbytes), lambda n: None),
+                                 max_shard_size=max_shard_size, metadata=metadata, manifest=manifest,
+                                 filename_pattern=filename_pattern, fsync=fsync)
 
 
 def load(data: bytes) -> Dict[str, np.ndarray]:

@@ -9,7 +9,10 @@
         model = transformers.AutoModel.from_pretrained(path)
 
 What is replaced: ``safetensors.safe_open``, ``safetensors.torch.load_file`` / ``load`` /
-``load_model``, ``safetensors.numpy.load_file`` and transformers' hf-mount check
+``load_model`` / ``save_file``, ``safetensors.numpy.load_file`` / ``save_file`` (so
+``save_pretrained`` and ``save_model`` write through safeload's parallel writer; with
+``SAFELOAD_SAVE_MANIFEST=1`` each file's SHA-256 also goes into the ``SHA256SUMS`` beside it) and
+transformers' hf-mount check
 (``transformers.modeling_utils._is_on_hf_mount``, which would make transformers read a whole shard
 with one ``read()``), *and every other module attribute that is one of those objects*: names that other modules already imported (``from safetensors import
 safe_open`` in ``transformers.modeling_utils``, say) are found by scanning ``sys.modules`` for
@@ -62,8 +65,8 @@ _FALSE = ("", "0", "false", "no", "off")
 # module name -> attribute names replaced there
 _TARGETS: Dict[str, Tuple[str, ...]] = {
     "safetensors": ("safe_open",),
-    "safetensors.torch": ("load_file", "load", "load_model"),
-    "safetensors.numpy": ("load_file",),
+    "safetensors.torch": ("load_file", "load", "load_model", "save_file"),
+    "safetensors.numpy": ("load_file", "save_file"),
     # transformers reads a whole shard with one read() on hf-mount (to avoid mapping it); patched,
     # safe_open reads network mounts with safeload's reader and never maps them.
     "transformers.modeling_utils": ("_is_on_hf_mount",),
@@ -139,6 +142,13 @@ def _make(key: str, original: Any) -> Any:
             return target(data)
 
         fn = load
+    elif key.endswith(".save_file"):
+        from ._save import manifest_wanted
+
+        def save_file(tensors: Any, filename: Any, metadata: Optional[Dict[str, str]] = None) -> None:
+            return target(tensors, filename, metadata=metadata, manifest=manifest_wanted())
+
+        fn = save_file
     elif key == "safetensors.numpy.load_file":
 
         def load_file(filename: Any, *, backend: Optional[str] = DEFAULT_BACKEND) -> Any:  # type: ignore[misc]

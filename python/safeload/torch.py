@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Un
 
 import torch
 
-from . import _checkpoint, _inplace
+from . import _checkpoint, _inplace, _save
 from ._shared import (  # noqa: F401 (safetensors.torch has these names)
     _end_ptr,
     _filter_shared_not_shared,
@@ -20,7 +20,7 @@ from ._shared import (  # noqa: F401 (safetensors.torch has these names)
 )
 from ._open import safe_open
 from ._options import Options
-from ._safeload import DTYPES, TensorSpec, deserialize, serialize, serialize_file
+from ._safeload import DTYPES, TensorSpec, deserialize, serialize
 
 __all__ = [
     "load",
@@ -32,6 +32,7 @@ __all__ = [
     "save",
     "save_file",
     "save_model",
+    "save_checkpoint",
     "storage_ptr",
     "storage_size",
 ]
@@ -118,10 +119,43 @@ def save_file(
     metadata: Optional[Dict[str, str]] = None,
     *,
     fsync: bool = False,
+    manifest: bool = False,
 ) -> None:
-    """Writes ``tensors`` to ``filename`` atomically (temporary file + rename)."""
+    """Writes ``tensors`` to ``filename`` atomically (temporary file + rename), its bytes written
+    side by side from the tensors' memory with the GIL released. ``fsync``: on the disk before
+    returning. ``manifest``: the file's SHA-256, computed from the bytes as they are written, goes
+    into the ``SHA256SUMS`` beside it."""
     keep_alive: List[Any] = []
-    serialize_file(_flatten_as_ptr(tensors, keep_alive), filename, metadata=metadata, fsync=fsync)
+    _save.save_file(_flatten_as_ptr(tensors, keep_alive), filename, metadata, fsync, manifest)
+
+
+def save_checkpoint(
+    state_dict: Dict[str, torch.Tensor],
+    directory: PathLike,
+    *,
+    max_shard_size: Union[int, str] = _save.MAX_SHARD_SIZE,
+    metadata: Optional[Dict[str, str]] = None,
+    manifest: bool = True,
+    filename_pattern: str = _save.FILENAME_PATTERN,
+    fsync: bool = False,
+) -> List[str]:
+    """Writes ``state_dict`` as transformers' sharded checkpoint in ``directory`` (shards split as
+    ``huggingface_hub.split_torch_state_dict_into_shards`` splits them, written side by side, then
+    ``model.safetensors.index.json``) with, under ``manifest``, a ``SHA256SUMS`` of the bytes
+    written (no second read): ``load_checkpoint(directory, verify=True)`` checks it. Returns the
+    shards' paths. See :mod:`safeload._save` for what a save killed half-way leaves."""
+    keep_alive: List[Any] = []
+
+    def size_of(name: str) -> int:
+        return int(storage_size(state_dict[name]))
+
+    def storage_of(name: str) -> Any:
+        t = state_dict[name]
+        return None if t.device.type == "meta" else (t.device, storage_ptr(t), storage_size(t))
+
+    return _save.save_checkpoint(lambda shard: _flatten_as_ptr(shard, keep_alive), state_dict, directory,
+                                 (size_of, storage_of), max_shard_size=max_shard_size, metadata=metadata,
+                                 manifest=manifest, filename_pattern=filename_pattern, fsync=fsync)
 
 
 def save_model(

@@ -546,7 +546,7 @@ mod tests {
                 data: b,
             })
             .collect();
-        serialize::to_file(path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(path, &mut specs, None, false).unwrap();
     }
 
     #[test]

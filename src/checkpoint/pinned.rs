@@ -506,7 +506,7 @@ mod tests {
                 data: &b,
             },
         ];
-        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
         let digest = Digest::of(&std::fs::read(&path).unwrap());
         (path, digest)
     }

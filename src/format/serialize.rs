@@ -1,17 +1,14 @@
 //! Writing: the same bytes safetensors 0.8 writes for the same tensors (order by dtype, largest
 //! first, then by name; JSON padded with spaces to a multiple of 8), with `__metadata__` keys in
-//! sorted order so the same input always gives the same file. Files are written to a temporary
-//! sibling and renamed, so a failed save never leaves a partial file.
-
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+//! sorted order so the same input always gives the same file. Files are written by
+//! `storage::write` (side by side, to temporary siblings renamed when complete).
 
 use crate::error::{Error, Result};
 use crate::format::dtype::Dtype;
 use crate::format::header::{self, MAX_HEADER_SIZE};
 
 /// One tensor to write; `data` is its little-endian bytes.
+#[derive(Clone, Copy)]
 pub struct TensorIn<'a> {
     pub name: &'a str,
     pub dtype: Dtype,
@@ -102,55 +99,6 @@ pub fn to_bytes(
         out.extend_from_slice(t.data);
     }
     Ok(out)
-}
-
-/// Writes the file atomically: a temporary sibling, optionally fsynced, renamed over `path`.
-pub fn to_file(
-    path: &Path,
-    tensors: &mut [TensorIn<'_>],
-    metadata: Option<&[(String, String)]>,
-    fsync: bool,
-) -> Result<()> {
-    let head = header(tensors, metadata)?;
-    let write_err = |source| Error::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let temp = temp_sibling(path);
-    let result = (|| {
-        let file = File::create(&temp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&head)?;
-        for t in tensors.iter() {
-            w.write_all(t.data)?;
-        }
-        let file = w.into_inner().map_err(|e| e.into_error())?;
-        if fsync {
-            file.sync_all()?;
-        }
-        drop(file);
-        std::fs::rename(&temp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&temp);
-        return Err(write_err(e));
-    }
-    Ok(())
-}
-
-fn temp_sibling(path: &Path) -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let unique = format!(
-        ".{name}.{}.{}.tmp",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    );
-    path.with_file_name(unique)
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use super::Uncached;
 
 pub use super::unix::{
     cached_fraction, file_identity, file_len, fork_generation, open_read, page_size, read_at,
-    read_vectored_at, special_kind, unmap_anonymous,
+    read_vectored_at, special_kind, sync_dir, unmap_anonymous, write_all_at,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -41,6 +41,22 @@ fn accepts_unaligned(file: &File) -> bool {
     match read_at(file, &mut probe[1..], 1) {
         Ok(n) => n == 1,
         Err(_) => false,
+    }
+}
+
+/// `posix_fallocate`; a filesystem that cannot reserve space (EOPNOTSUPP, EINVAL) gets `set_len`.
+pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    let Ok(size) = libc::off_t::try_from(len) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
+    if size == 0 {
+        return Ok(());
+    }
+    // SAFETY: a valid open descriptor; the call only reserves blocks.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) } {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => file.set_len(len),
+        code => Err(io::Error::from_raw_os_error(code)),
     }
 }
 

@@ -14,7 +14,7 @@ use super::Uncached;
 
 pub use super::unix::{
     cached_fraction, file_identity, file_len, fork_generation, open_read, page_size, read_at,
-    read_vectored_at, special_kind, unmap_anonymous,
+    read_vectored_at, special_kind, sync_dir, unmap_anonymous, write_all_at,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -29,6 +29,11 @@ pub fn open_uncached(path: &Path) -> Option<Uncached> {
         return None;
     }
     Some(Uncached { file, align: 1 })
+}
+
+/// Extended only: `F_PREALLOCATE` reserves space but a later write can still fail for quota.
+pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    file.set_len(len)
 }
 
 pub fn prefetch(file: &File, offset: u64, len: u64) {

@@ -5,6 +5,8 @@
 //! | need | Linux | macOS | Windows |
 //! |---|---|---|---|
 //! | positional vectored read | `preadv` | `preadv` | `seek_read` per segment |
+//! | positional write, space reserved | `pwrite`, `posix_fallocate` | `pwrite`, `set_len` | `seek_write`, `set_len` |
+//! | a renamed file's entry made durable | `fsync` of the directory | `fsync` of the directory | none (NTFS journals it) |
 //! | uncached read handle | `O_DIRECT` (4 KiB aligned) | `F_NOCACHE` (no alignment) | `FILE_FLAG_NO_BUFFERING` (4 KiB aligned) |
 //! | cache hints / drop | `posix_fadvise` | `F_RDADVISE`, `F_RDAHEAD` / none | none |
 //! | filesystem kind | `fstatfs` magic | `statfs.f_fstypename` | `GetDriveTypeW`, UNC paths |
@@ -120,6 +122,23 @@ pub fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usi
         }
     }
     Ok(done)
+}
+
+/// Writes all of `buf` at `offset`, retrying short and interrupted writes.
+pub fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    os::write_all_at(file, buf, offset)
+}
+
+/// Reserves `len` bytes for `file` (just created, empty), so a full disk is an error before
+/// anything is written and the writes that follow do not extend the file one by one. Where the
+/// filesystem cannot reserve, the file is only extended (`set_len`).
+pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    os::preallocate(file, len)
+}
+
+/// Makes the entries of directory `dir` durable (after a rename into it), where the OS needs it.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    os::sync_dir(dir)
 }
 
 /// Opens `path` to read, refusing at once what is not a regular file: a directory ("Is a

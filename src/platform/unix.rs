@@ -72,6 +72,14 @@ pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     std::os::unix::fs::FileExt::read_at(file, buf, offset)
 }
 
+pub fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    std::os::unix::fs::FileExt::write_all_at(file, buf, offset)
+}
+
+pub fn sync_dir(dir: &std::path::Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
 /// Forks of this process seen so far (see [`super::fork_generation`]): counted in the child by a
 /// `pthread_atfork` handler, registered on the first call; where it cannot be registered (no
 /// memory), the process id, which a child does not share either (a `getpid` each call).

@@ -73,6 +73,30 @@ pub fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     file.seek_read(buf, offset)
 }
 
+pub fn write_all_at(file: &File, mut buf: &[u8], mut offset: u64) -> io::Result<()> {
+    while !buf.is_empty() {
+        match file.seek_write(buf, offset) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                buf = &buf[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    file.set_len(len)
+}
+
+/// NTFS journals a rename; a directory cannot be opened to flush it without backup semantics.
+pub fn sync_dir(_dir: &Path) -> io::Result<()> {
+    Ok(())
+}
+
 /// Opens `path` to read with the `flags` of `CreateFileW`, refusing what is not a regular file
 /// ([`super::regular`]): a device or a pipe (opening one does not wait on Windows).
 pub fn open_read(path: &Path, flags: u32) -> io::Result<File> {

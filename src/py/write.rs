@@ -1,4 +1,5 @@
-//! Writing from Python: `TensorSpec`, `serialize`, `serialize_file`, and `deserialize`.
+//! Writing from Python: `TensorSpec`, `serialize`, `serialize_file` / `serialize_files` (one
+//! file, or a checkpoint's shards side by side), and `deserialize`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -9,7 +10,8 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use super::errors::detached;
 use crate::error::Error;
 use crate::format::dtype::Dtype;
-use crate::format::serialize::{TensorIn, to_bytes, to_file};
+use crate::format::serialize::{TensorIn, to_bytes};
+use crate::storage::write::{FileOut, WriteOptions, write_files};
 
 /// Framework dtype names (`torch`'s and `numpy`'s, which agree) or format codes to dtypes.
 fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
@@ -133,21 +135,55 @@ pub fn serialize<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
+/// Writes one file; with `hash`, returns its SHA-256 (hex) computed from the bytes written.
 #[pyfunction]
-#[pyo3(signature = (tensor_dict, filename, metadata=None, *, fsync=false))]
+#[pyo3(signature = (tensor_dict, filename, metadata=None, *, fsync=false, hash=false))]
 pub fn serialize_file(
     py: Python<'_>,
     tensor_dict: HashMap<String, TensorSpec>,
     filename: PathBuf,
     metadata: Option<HashMap<String, String>>,
     fsync: bool,
-) -> PyResult<()> {
-    let specs = collect(tensor_dict);
-    let metadata = metadata_vec(metadata);
-    let mut tensors = inputs(&specs)?;
-    detached(py, |_| {
-        to_file(&filename, &mut tensors, metadata.as_deref(), fsync)
-    })
+    hash: bool,
+) -> PyResult<Option<String>> {
+    let digests = serialize_files(py, vec![(tensor_dict, filename, metadata)], fsync, hash)?;
+    Ok(digests.and_then(|d| d.into_iter().next()))
+}
+
+/// Writes several files side by side (a checkpoint's shards): each `(tensor_dict, filename,
+/// metadata)`; all are renamed into place once all are written, or none is. With `hash`, returns
+/// each file's SHA-256 (hex), in order.
+#[pyfunction]
+#[pyo3(signature = (files, *, fsync=false, hash=false))]
+pub fn serialize_files(
+    py: Python<'_>,
+    files: Vec<(
+        HashMap<String, TensorSpec>,
+        PathBuf,
+        Option<HashMap<String, String>>,
+    )>,
+    fsync: bool,
+    hash: bool,
+) -> PyResult<Option<Vec<String>>> {
+    let specs: Vec<(
+        Vec<(String, TensorSpec)>,
+        PathBuf,
+        Option<Vec<(String, String)>>,
+    )> = (files.into_iter())
+        .map(|(dict, path, metadata)| (collect(dict), path, metadata_vec(metadata)))
+        .collect();
+    let mut out = (specs.iter())
+        .map(|(specs, path, metadata)| {
+            Ok(FileOut {
+                path: path.clone(),
+                tensors: inputs(specs)?,
+                metadata: metadata.clone(),
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let options = WriteOptions::new(fsync, hash);
+    let digests = detached(py, |_| write_files(&mut out, &options))?;
+    Ok(hash.then(|| digests.iter().map(ToString::to_string).collect()))
 }
 
 /// Parses a whole file held in memory: [(name, {"dtype", "shape", "data"})] in file order.

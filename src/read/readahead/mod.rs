@@ -551,7 +551,7 @@ mod tests {
                 data,
             })
             .collect();
-        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
         (path, tensors)
     }
 

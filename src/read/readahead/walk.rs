@@ -219,7 +219,7 @@ mod tests {
                 }
             })
             .collect();
-        serialize::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
         let source = open(&path);
         let file: Vec<&str> = (source.header.tensors.iter())
             .map(|t| t.name.as_str())

@@ -152,7 +152,8 @@ mod tests {
     use crate::checkpoint::Checkpoint;
     use crate::format::digest::sha256sum;
     use crate::format::dtype::Dtype;
-    use crate::format::serialize::{TensorIn, to_file};
+    use crate::format::serialize::TensorIn;
+    use crate::storage::write::to_file;
 
     /// Writes a file of several dtypes (about `scale` x 10 MB: 16-bit ones that convert, odd
     /// sizes, an empty tensor) with the crate's writer; returns its bytes.

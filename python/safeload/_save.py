@@ -1,0 +1,193 @@
+"""Saving a checkpoint: transformers' sharded layout, its shards written side by side, and the
+``SHA256SUMS`` of what was written, for ``safeload.torch`` and ``safeload.numpy``.
+
+The split rule is ``huggingface_hub.split_state_dict_into_shards_factory``'s (what
+``save_pretrained`` uses): tensors in the state dict's order fill a shard until the next would
+pass ``max_shard_size``; a tensor larger than that gets a shard of its own; tensors that share
+storage go with the first of them. One shard is ``model.safetensors`` and no index; more are
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json`` (``metadata.total_size``
+and ``weight_map``, as transformers writes it).
+
+Order of a save, so that a save killed at any point leaves a checkpoint that loads: the shards are
+written to temporary files and renamed into place only once all are written (by the Rust writer);
+then ``SHA256SUMS`` and last the index, each written to a temporary file and renamed. A
+checkpoint whose shards have other names stays whole until the new index replaces its own; one
+whose shards have the same names has them replaced together, and a save killed between those
+renames and the new manifest leaves an old ``SHA256SUMS`` that ``verify`` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+
+from ._safeload import SafetensorError, manifest_line, read_manifest, serialize_file, serialize_files
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: huggingface_hub's default shard size.
+MAX_SHARD_SIZE = "5GB"
+#: The name transformers gives a checkpoint's files ({suffix}: "" or "-0000k-of-0000n").
+FILENAME_PATTERN = "model{suffix}.safetensors"
+#: The manifest written beside the shards (what ``sha256sum -c`` and ``safeload verify`` read).
+SUMS = "SHA256SUMS"
+#: Makes a patched ``save_file`` (transformers' and diffusers' ``save_pretrained``) record each
+#: file's digest in the ``SHA256SUMS`` beside it.
+MANIFEST_ENV = "SAFELOAD_SAVE_MANIFEST"
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``"5GB"`` -> 5 * 10**9, as huggingface_hub's ``parse_size_to_int`` (and ``"5GiB"``)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)\s*", str(size).upper())
+    if match is None:
+        raise ValueError(f"Could not parse the size {size!r}: expected an int or a string such as '5GB' or '500MB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def split(names: Sequence[str], size_of: Callable[[str], int], storage_of: Callable[[str], Optional[Hashable]],
+          max_shard_size: Union[int, str]) -> Tuple[List[List[str]], int]:
+    """The names of each shard, by huggingface_hub's rule, and the bytes of them all (each storage once)."""
+    limit = parse_size(max_shard_size)
+    shards: List[List[str]] = []
+    current: List[str] = []
+    current_size = total = 0
+    first_of: Dict[Hashable, str] = {}
+    sharing: Dict[str, List[str]] = {}
+    for name in names:
+        storage = storage_of(name)
+        if storage is not None:
+            if storage in first_of:
+                sharing[first_of[storage]].append(name)
+                continue
+            first_of[storage] = name
+            sharing[name] = []
+        size = size_of(name)
+        total += size
+        if size > limit:
+            shards.append([name])
+            continue
+        if current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    for shard in shards:
+        for name in list(shard):
+            shard.extend(sharing.get(name, ()))
+    return shards, total
+
+
+def shard_names(count: int, pattern: str = FILENAME_PATTERN) -> List[str]:
+    """The file name of each of ``count`` shards; refuses a pattern that names a path."""
+    names = ([pattern.format(suffix="")] if count == 1 else
+             [pattern.format(suffix=f"-{k + 1:05d}-of-{count:05d}") for k in range(count)])
+    for name in names:
+        if (not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name)
+                or os.sep in name or (os.altsep and os.altsep in name)):
+            raise SafetensorError(
+                f"Error while serializing: the checkpoint file name {name!r} (from filename_pattern {pattern!r}) "
+                "is not a plain file name in the checkpoint's directory")
+    return names
+
+
+def write_atomic(path: str, text: str, fsync: bool) -> None:
+    """``text`` at ``path``, through a temporary sibling renamed over it."""
+    directory = os.path.dirname(path) or "."
+    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with _quiet():
+            os.unlink(temp)
+        raise
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+def record_digests(directory: str, digests: Dict[str, str], fsync: bool = False) -> None:
+    """``digests`` (file name -> hex) into ``directory``'s ``SHA256SUMS``: lines of files that are
+    gone are dropped, those of other files that are there kept, these replace their own."""
+    path = os.path.join(directory, SUMS)
+    entries: Dict[str, str] = {}
+    if os.path.isfile(path):
+        try:
+            entries = {name: digest for name, digest in read_manifest(path)
+                       if os.path.isfile(os.path.join(directory, name))}
+        except SafetensorError:
+            entries = {}
+    entries.update(digests)
+    write_atomic(path, "".join(manifest_line(d, n) + "\n" for n, d in sorted(entries.items())), fsync)
+
+
+def manifest_wanted() -> bool:
+    return os.environ.get(MANIFEST_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def save_file(specs: Dict[str, Any], filename: PathLike, metadata: Optional[Dict[str, str]], fsync: bool,
+              manifest: bool) -> None:
+    """One file; with ``manifest``, its digest (of the bytes written) into the ``SHA256SUMS`` beside it."""
+    digest = serialize_file(specs, filename, metadata=metadata, fsync=fsync, hash=manifest)
+    if manifest and digest is not None:
+        path = os.fspath(filename)
+        record_digests(os.path.dirname(path) or ".", {os.path.basename(path): digest}, fsync)
+
+
+def save_checkpoint(flatten: Callable[[Dict[str, Any]], Dict[str, Any]], state_dict: Dict[str, Any],
+                    directory: PathLike, sizes: Tuple[Callable[[str], int], Callable[[str], Optional[Hashable]]], *,
+                    max_shard_size: Union[int, str], metadata: Optional[Dict[str, str]], manifest: bool,
+                    filename_pattern: str, fsync: bool) -> List[str]:
+    """Writes ``state_dict`` as a sharded checkpoint in ``directory``; returns the shards' paths.
+    ``flatten`` turns a shard's tensors into TensorSpecs (keeping their memory alive)."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    size_of, storage_of = sizes
+    shards, total = split(list(state_dict), size_of, storage_of, max_shard_size)
+    names = shard_names(max(len(shards), 1), filename_pattern)
+    if not shards:
+        shards = [[]]
+    paths = [os.path.join(directory, name) for name in names]
+    jobs = [(flatten({k: state_dict[k] for k in shard}), path, metadata) for shard, path in zip(shards, paths)]
+    digests = serialize_files(jobs, fsync=fsync, hash=manifest)
+    if manifest and digests is not None:
+        record_digests(directory, dict(zip(names, digests)), fsync)
+    if len(shards) > 1:
+        weight_map = {k: name for shard, name in zip(shards, names) for k in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index_name = filename_pattern.format(suffix="") + ".index.json"
+        write_atomic(os.path.join(directory, index_name), json.dumps(index, indent=2, sort_keys=True) + "\n", fsync)
+    _remove_earlier(directory, names, filename_pattern)
+    return paths
+
+
+def _remove_earlier(directory: str, names: List[str], pattern: str) -> None:
+    """What an earlier save with ``pattern`` left that the new checkpoint does not use (as
+    ``save_pretrained`` cleans its folder): other shard files, and the index when there is one shard."""
+    single, _, rest = pattern.partition("{suffix}")
+    shard = re.compile(re.escape(single) + r"-\d{5}-of-\d{5}" + re.escape(rest))
+    stale = [n for n in os.listdir(directory) if shard.fullmatch(n) and n not in names]
+    if len(names) == 1:
+        stale.append(pattern.format(suffix="") + ".index.json")
+    for name in stale:
+        with _quiet():
+            os.unlink(os.path.join(directory, name))
+

@@ -1,0 +1,394 @@
+//! Writing safetensors files at the disk's speed: every file of a save (one for `save_file`, each
+//! shard of a checkpoint) goes to a temporary sibling made at its final size, its bytes written by
+//! a few threads with positional writes straight from the tensors' memory (small tensors gathered
+//! first: [`pieces`]), hashed on threads of their own from the same memory when asked (one per
+//! file, so shards hash side by side), optionally synced, and only then renamed over the targets,
+//! all of them after all are written. A save that fails or is cancelled (Ctrl-C) removes its
+//! temporaries and leaves every earlier file as it was.
+//!
+//! The bytes are exactly `format::serialize`'s (0.8's layout). Tensors are read while they are
+//! written: one changed by another thread during the save may be written half old, half new (as
+//! with 0.8), and its file's digest is of what the hash thread read, so `verify` then fails.
+
+pub(crate) mod pieces;
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use crate::error::{Error, Result};
+use crate::format::digest::{Digest, Sha256};
+use crate::format::serialize::{TensorIn, header};
+use crate::platform;
+use crate::storage::cancel;
+use pieces::{GATHER, Piece};
+
+/// One file to write: its tensors (sorted into file order by the write) and `__metadata__`.
+pub struct FileOut<'a> {
+    pub path: PathBuf,
+    pub tensors: Vec<TensorIn<'a>>,
+    pub metadata: Option<Vec<(String, String)>>,
+}
+
+/// How a save runs.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteOptions {
+    /// Sync each file's bytes (and the directory's entry) before returning.
+    pub fsync: bool,
+    /// Compute each file's SHA-256 from the bytes written.
+    pub hash: bool,
+    /// Threads writing (the caller's among them).
+    pub threads: usize,
+}
+
+impl WriteOptions {
+    /// `fsync` and `hash` as asked, with the thread count `SAFELOAD_WRITE_THREADS` gives, else
+    /// one per core, at least 2 (a synced write waits on the disk) and at most 8.
+    pub fn new(fsync: bool, hash: bool) -> Self {
+        let threads = std::env::var("SAFELOAD_WRITE_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| platform::cores().clamp(2, 8));
+        WriteOptions {
+            fsync,
+            hash,
+            threads,
+        }
+    }
+}
+
+/// Writes `files` (the whole save): each is complete at its path, or none is changed and the
+/// error names the file that failed. Returns each file's SHA-256 when `options.hash`.
+pub fn write_files(files: &mut [FileOut<'_>], options: &WriteOptions) -> Result<Vec<Digest>> {
+    let heads = (files.iter_mut())
+        .map(|f| header(&mut f.tensors, f.metadata.as_deref()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut temps = Temporaries(Vec::with_capacity(files.len()));
+    for (f, head) in files.iter().zip(&heads) {
+        let len = head.len() as u64 + f.tensors.iter().map(|t| t.data.len() as u64).sum::<u64>();
+        let (temp, file) = create_beside(&f.path).map_err(|e| write_error(&f.path, e))?;
+        temps.0.push((temp, Some(file)));
+        let file = temps
+            .0
+            .last()
+            .and_then(|t| t.1.as_ref())
+            .expect("just pushed");
+        platform::preallocate(file, len).map_err(|e| write_error(&f.path, e))?;
+    }
+    let mut all = Vec::new();
+    for (i, (f, head)) in files.iter().zip(&heads).enumerate() {
+        let runs = std::iter::once(&head[..]).chain(f.tensors.iter().map(|t| t.data));
+        pieces::cut(i, runs, &mut all);
+    }
+    let handles: Vec<&File> = temps.0.iter().filter_map(|t| t.1.as_ref()).collect();
+    let digests = write_and_hash(files, &heads, &handles, &all, options)?;
+    if options.fsync {
+        sync_all(files, &handles)?;
+    }
+    temps.commit(files, options.fsync)?;
+    Ok(digests)
+}
+
+/// Writes one file (`save_file`): [`write_files`] of it alone, with the default thread count.
+pub fn to_file(
+    path: &Path,
+    tensors: &[TensorIn<'_>],
+    metadata: Option<&[(String, String)]>,
+    fsync: bool,
+) -> Result<()> {
+    let mut file = [FileOut {
+        path: path.to_path_buf(),
+        tensors: tensors.to_vec(),
+        metadata: metadata.map(<[_]>::to_vec),
+    }];
+    write_files(&mut file, &WriteOptions::new(fsync, false)).map(drop)
+}
+
+/// The bytes of every piece written (and each file hashed) by the worker threads; the calling
+/// thread is one of them and the one that watches for Ctrl-C.
+fn write_and_hash(
+    files: &[FileOut<'_>],
+    heads: &[Vec<u8>],
+    handles: &[&File],
+    all: &[Piece<'_>],
+    options: &WriteOptions,
+) -> Result<Vec<Digest>> {
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let failed: Mutex<Option<(usize, io::Error)>> = Mutex::new(None);
+    let work = |caller: bool| {
+        let mut scratch = Vec::new();
+        loop {
+            if stop.load(Ordering::Relaxed) || caller && cancel::requested() {
+                stop.store(true, Ordering::Relaxed);
+                return;
+            }
+            let Some(piece) = all.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            if let Err(e) = write_piece(handles[piece.file], piece, &mut scratch) {
+                stop.store(true, Ordering::Relaxed);
+                failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert((piece.file, e));
+                return;
+            }
+        }
+    };
+    let digests = std::thread::scope(|s| {
+        let hashers: Vec<_> = (files.iter().zip(heads))
+            .filter(|_| options.hash)
+            .map(|(f, head)| s.spawn(|| hash_file(head, &f.tensors, &stop)))
+            .collect();
+        let workers = options.threads.clamp(1, all.len().max(1));
+        let spawned: Vec<_> = (1..workers).map(|_| s.spawn(|| work(false))).collect();
+        work(true);
+        for w in spawned {
+            let _ = w.join();
+        }
+        (hashers.into_iter())
+            .map(|h| h.join().ok().flatten())
+            .collect::<Option<Vec<Digest>>>()
+    });
+    if let Some((file, e)) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(write_error(&files[file].path, e));
+    }
+    match digests {
+        Some(d) if !stop.load(Ordering::Relaxed) => Ok(d),
+        _ => Err(Error::Cancelled),
+    }
+}
+
+fn write_piece(file: &File, piece: &Piece<'_>, scratch: &mut Vec<u8>) -> io::Result<()> {
+    if let [run] = &piece.runs[..] {
+        return platform::write_all_at(file, run, piece.offset);
+    }
+    scratch.clear();
+    scratch.reserve(GATHER);
+    for run in &piece.runs {
+        scratch.extend_from_slice(run);
+    }
+    platform::write_all_at(file, scratch, piece.offset)
+}
+
+/// One file's SHA-256 from the memory its bytes are written from, in file order; None if the
+/// save stopped.
+fn hash_file(head: &[u8], tensors: &[TensorIn<'_>], stop: &AtomicBool) -> Option<Digest> {
+    let mut sha = Sha256::new();
+    sha.update(head);
+    for t in tensors {
+        for part in t.data.chunks(pieces::PIECE) {
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
+            sha.update(part);
+        }
+    }
+    Some(sha.finish())
+}
+
+/// Every file's bytes on the disk, the files synced side by side.
+fn sync_all(files: &[FileOut<'_>], handles: &[&File]) -> Result<()> {
+    std::thread::scope(|s| {
+        let syncs: Vec<_> = handles.iter().map(|h| s.spawn(|| h.sync_all())).collect();
+        for (f, sync) in files.iter().zip(syncs) {
+            match sync.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(write_error(&f.path, e)),
+                Err(_) => return Err(Error::Internal("a file's sync panicked".into())),
+            }
+        }
+        Ok(())
+    })
+}
+
+fn write_error(path: &Path, source: io::Error) -> Error {
+    Error::Write {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A new temporary file beside `path` (never one that exists). A target that is a directory is
+/// refused here, before anything is written.
+fn create_beside(path: &Path) -> io::Result<(PathBuf, File)> {
+    if path.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::IsADirectory,
+            "the target is a directory",
+        ));
+    }
+    let temp = temp_sibling(path);
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temp)?;
+    Ok((temp, file))
+}
+
+fn temp_sibling(path: &Path) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let unique = format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    );
+    path.with_file_name(unique)
+}
+
+/// The temporary files of a save: removed when dropped, unless committed (renamed over their
+/// targets).
+struct Temporaries(Vec<(PathBuf, Option<File>)>);
+
+impl Temporaries {
+    /// Renames each file over its target, then (synced saves) makes the renames durable.
+    fn commit(mut self, files: &[FileOut<'_>], fsync: bool) -> Result<()> {
+        for (i, f) in files.iter().enumerate() {
+            let (temp, handle) = &mut self.0[i];
+            drop(handle.take());
+            std::fs::rename(&*temp, &f.path).map_err(|e| write_error(&f.path, e))?;
+            temp.clear();
+        }
+        if fsync {
+            let mut dirs: Vec<&Path> = (files.iter())
+                .filter_map(|f| f.path.parent())
+                .map(|d| {
+                    if d.as_os_str().is_empty() {
+                        Path::new(".")
+                    } else {
+                        d
+                    }
+                })
+                .collect();
+            dirs.dedup();
+            for dir in dirs {
+                platform::sync_dir(dir).map_err(|e| write_error(dir, e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Temporaries {
+    fn drop(&mut self) {
+        for (temp, handle) in self.0.drain(..) {
+            drop(handle);
+            if !temp.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(temp);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dtype::Dtype;
+    use crate::format::serialize::to_bytes;
+
+    /// The sample's tensors as U8 vectors (`shapes[i]` is `[data[i].len()]`).
+    fn tensors<'a>(
+        data: &'a [Vec<u8>],
+        names: &'a [String],
+        shapes: &'a [[usize; 1]],
+    ) -> Vec<TensorIn<'a>> {
+        (data.iter().zip(names).zip(shapes))
+            .map(|((d, n), shape)| TensorIn {
+                name: n,
+                dtype: Dtype::U8,
+                shape,
+                data: d,
+            })
+            .collect()
+    }
+
+    fn sample() -> (Vec<Vec<u8>>, Vec<String>, Vec<[usize; 1]>) {
+        let sizes = [3usize, 40 << 20, 1000, 2 << 20, 0, 17];
+        let data = (sizes.iter().enumerate())
+            .map(|(i, &n)| (0..n).map(|b| (b * 31 + i) as u8).collect())
+            .collect();
+        let names = (0..sizes.len()).map(|i| format!("t{i}")).collect();
+        (data, names, sizes.iter().map(|&n| [n]).collect())
+    }
+
+    #[test]
+    fn files_equal_the_bytes_of_the_format_and_their_digests() {
+        let dir = tempfile_dir("equal");
+        let (data, names, shapes) = sample();
+        for threads in [1, 3] {
+            let mut files: Vec<FileOut<'_>> = (0..2)
+                .map(|k| FileOut {
+                    path: dir.join(format!("f{k}.safetensors")),
+                    tensors: tensors(&data[k..], &names[k..], &shapes[k..]),
+                    metadata: Some(vec![("k".into(), k.to_string())]),
+                })
+                .collect();
+            let options = WriteOptions {
+                fsync: threads == 1,
+                hash: true,
+                threads,
+            };
+            let digests = write_files(&mut files, &options).unwrap();
+            for (k, digest) in digests.iter().enumerate() {
+                let mut expected = tensors(&data[k..], &names[k..], &shapes[k..]);
+                let meta = vec![("k".to_string(), k.to_string())];
+                let bytes = to_bytes(&mut expected, Some(&meta)).unwrap();
+                let written = std::fs::read(&files[k].path).unwrap();
+                assert!(written == bytes, "file {k} differs ({threads} threads)");
+                assert_eq!(*digest, Digest::of(&bytes));
+            }
+        }
+        assert_eq!(leftovers(&dir), 0);
+    }
+
+    #[test]
+    fn a_failed_save_changes_nothing_and_leaves_no_temporary() {
+        let dir = tempfile_dir("failed");
+        let (data, names, shapes) = sample();
+        let kept = dir.join("a.safetensors");
+        std::fs::write(&kept, b"earlier").unwrap();
+        std::fs::create_dir(dir.join("b.safetensors")).unwrap();
+        let mut files = vec![
+            FileOut {
+                path: kept.clone(),
+                tensors: tensors(&data, &names, &shapes),
+                metadata: None,
+            },
+            FileOut {
+                path: dir.join("b.safetensors"),
+                tensors: tensors(&data, &names, &shapes),
+                metadata: None,
+            },
+        ];
+        let err = write_files(&mut files, &WriteOptions::new(false, false)).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("b.safetensors") && text.contains("directory"),
+            "{text}"
+        );
+        assert_eq!(std::fs::read(&kept).unwrap(), b"earlier");
+        assert_eq!(leftovers(&dir), 0);
+    }
+
+    fn tempfile_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("safeload-write-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn leftovers(dir: &Path) -> usize {
+        (std::fs::read_dir(dir).unwrap().flatten())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .count()
+    }
+}
