@@ -7,6 +7,9 @@
     python benches/gpu_check.py --self-check --size small   # no GPU: the staging loader through
                                                             # a deferring CPU sink, byte for byte
 
+Saving too: the checkpoint's tensors on the device written back by ``safeload.torch.save_file``
+(through the pinned staging ring) and by 0.8's, equal byte for byte, each timed until synced.
+
 Writes a sample checkpoint (with safetensors 0.8's writer; reused when already there), checks that
 ``safeload.torch.load_file(path, device=...)`` (and ``load_checkpoint``) give exactly the bytes,
 dtypes and shapes of ``safetensors.torch.load_file(path, device=...)``, then prints a markdown
@@ -211,15 +214,59 @@ def self_check(path: str, nbytes: int, ring: tuple, rounds: int) -> int:
                 done.add(e[1])
         del got
     limit = n * b + DEFAULT_CHUNK_BYTES
-    ok = not problems and peak <= limit
+    save_rows, save_checks, save_ok = save_check(ref, os.path.dirname(path), rounds, sink=CpuSink(defer=True))
+    ok = not problems and peak <= limit and save_ok
     print_table(
         f"safeload staging self-check (CPU sink, no GPU): {nbytes / GiB:.2f} GiB, ring {n}x{_size(b)}",
-        [row("safeload staged load, deferring CPU sink", nbytes, seconds)],
+        [row("safeload staged load, deferring CPU sink", nbytes, seconds), *save_rows],
         [("bytes equal to safetensors 0.8 (CPU)", "yes" if not problems else f"NO: {problems[:3]}"),
-         ("peak staging bytes", f"{peak} (limit {limit} = ring + one chunk)"),
+         ("peak staging bytes", f"{peak} (limit {limit} = ring + one chunk)"), *save_checks,
          ("result", "PASS" if ok else "FAIL")],
     )
     return 0 if ok else 1
+
+
+def save_check(sd: dict, folder: str, rounds: int, sink=None) -> tuple:
+    """Saving ``sd`` (on the device, or on the CPU through ``sink``, the stand-in): safeload's file
+    equal to 0.8's byte for byte, its manifest digest right; each writer timed until synced.
+    Returns (rows, checks)."""
+    import hashlib
+
+    from safeload import _save
+
+    ours, ref = os.path.join(folder, "safeload_gpu_save.safetensors"), os.path.join(folder, "st_gpu_save.safetensors")
+    nbytes = sum(t.nelement() * t.element_size() for t in sd.values())
+
+    def st_save():
+        st_torch.save_file(sd, ref, metadata={"format": "pt"})
+        fd = os.open(ref, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def sl_save(manifest=False):
+        if sink is None:
+            return sl_torch.save_file(sd, ours, metadata={"format": "pt"}, fsync=True, manifest=manifest)
+        digests = _save.write_staged([(sd, ours, {"format": "pt"})], sink, fsync=True, hash=manifest)
+        if manifest:
+            _save.record_digests(folder, {os.path.basename(ours): digests[0]})
+
+    st_save()
+    sl_save(manifest=True)
+    with open(ours, "rb") as a, open(ref, "rb") as b:
+        data = a.read()
+        same = data == b.read()
+    listed = _safeload.read_manifest(os.path.join(folder, "SHA256SUMS"))
+    digest_ok = dict(listed).get(os.path.basename(ours)) == hashlib.sha256(data).hexdigest()
+    t_st, t_sl = timed(st_save, rounds, lambda: None), timed(sl_save, rounds, lambda: None)
+    base = nbytes / statistics.median(t_st) / GiB
+    where = "CUDA, staged" if sink is None else "CPU sink stand-in"
+    rows = [row(f"safeload save_file(fsync=True) ({where})", nbytes, t_sl, base),
+            row("safetensors 0.8 save_file + fsync", nbytes, t_st, base)]
+    checks = [("saved file equal to 0.8's, byte for byte", "yes" if same else "NO"),
+              ("SHA256SUMS digest of the bytes written", "yes" if digest_ok else "NO")]
+    for f in (ours, ref, os.path.join(folder, "SHA256SUMS")):
+        os.unlink(f)
+    return rows, checks, same and digest_ok
 
 
 def prefetch_all(path: str, device: str) -> dict:
@@ -302,6 +349,8 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
     handle.close()
     ring_bufs = src = None  # frees the pinned buffers
     t_cpu = timed(lambda: sl_torch.load_file(path, backend="pread"), rounds, lambda: None)
+    save_rows, save_checks, save_ok = save_check(st_torch.load_file(path, device=device), os.path.dirname(path),
+                                                 rounds)
 
     base = nbytes / statistics.median(t_st) / GiB
     rows = [
@@ -312,6 +361,7 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
         row("pinned H2D copies alone", nbytes, t_h2d, base),
         row("engine read into pinned ring alone (warm)", nbytes, t_read_ring, base),
         row("safeload CPU load, pread (warm)", nbytes, t_cpu, base),
+        *save_rows,  # "vs 0.8" of these two: against 0.8's save
     ]
     host = {}
     try:
@@ -329,11 +379,12 @@ def gpu_check(path: str, nbytes: int, ring: tuple, rounds: int, device: str) -> 
         ("GPU", torch.cuda.get_device_name(dev)),
         ("versions", f"safeload {safeload.__version__}, safetensors {safetensors.__version__}, "
                      f"torch {torch.__version__}"),
-        ("result", "PASS" if ok_bytes and ok_pinned else "FAIL"),
+        *save_checks,
+        ("result", "PASS" if ok_bytes and ok_pinned and save_ok else "FAIL"),
     ]
     print_table(f"CUDA load of {nbytes / GiB:.2f} GiB ({os.path.basename(path)}), {rounds} rounds",
                 rows, extra)
-    return 0 if ok_bytes and ok_pinned else 1
+    return 0 if ok_bytes and ok_pinned and save_ok else 1
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 """The main job: safeload against safetensors 0.8 on a built-in sample, side by side, in about two
 minutes on 2 cores.
 
-    python benches/main_job.py            # ~1 GiB sample, warm and cold, 3 rounds: table + chart
+    python benches/main_job.py            # ~1 GiB sample, warm, cold and saved, 3 rounds: table + chart
     python benches/main_job.py --full     # the full benchmark: benches/bench.py [options], then benches/e2e.py
 
 The sample is a Llama-shaped causal LM with random bf16 weights (~1 GiB in 2 shards), written once
@@ -16,6 +16,10 @@ with safetensors 0.8 and with safeload:
   ltx-core's loop);
 - ``from_pretrained``: transformers' ``AutoModelForCausalLM.from_pretrained``, unmodified: stock
   against ``SAFELOAD_PATCH=1`` (the patch the startup hook applies);
+
+and one way users save it: ``save_file`` of each shard's tensors (read into memory first) with
+``metadata={"format": "pt"}``, as ``save_pretrained`` calls it, timed until the files and their
+folder are synced (0.8's ``save_file`` then ``fsync``; safeload's ``save_file(fsync=True)``);
 
 and the machine's limit for each cache state (``benches/bench.py``'s references: parallel
 ``preadv`` into one pre-faulted buffer, and O_DIRECT when cold). Warm: the files are in the page
@@ -55,7 +59,7 @@ import bench  # noqa: E402 - benches/bench.py: loaders, page-cache, RSS and refe
 import e2e  # noqa: E402 - benches/e2e.py: the model and its from_pretrained
 
 GIB = float(1 << 30)
-STATES = ("warm", "cold")
+STATES = ("warm", "cold", "save")
 #: job -> (what it does, safetensors 0.8's contender, safeload's contender)
 JOBS: Dict[str, Tuple[str, str, str]] = {
     "load_file": ("load_file(shard) for each shard, default backend", "st_default", "sl_default"),
@@ -64,7 +68,16 @@ JOBS: Dict[str, Tuple[str, str, str]] = {
     "from_pretrained": ("transformers from_pretrained, unmodified: stock vs SAFELOAD_PATCH=1",
                         "fp_stock", "fp_patch"),
 }
-LIMITS = {"warm": ("ref_copy",), "cold": ("ref_copy", "ref_odirect")}
+#: the save row: the sample's shards written back, each synced before the clock stops
+SAVE_JOBS: Dict[str, Tuple[str, str, str]] = {
+    "save_file": ("save_file(shard, metadata) for each shard, synced: 0.8 then fsync, safeload fsync=True",
+                  "st_save", "sl_save"),
+}
+#: the jobs of each state
+JOBS_OF = {"warm": JOBS, "cold": JOBS, "save": SAVE_JOBS}
+#: the machine's limit: warm, copies from the page cache; cold, reads from the disk; save, parallel
+#: pwrite of the same bytes into preallocated files, then fsync (1, 2 or 4 threads: the best)
+LIMITS = {"warm": ("ref_copy",), "cold": ("ref_copy", "ref_odirect"), "save": ("ref_write1", "ref_write2", "ref_write4")}
 CHILD_TIMEOUT_S = 600.0
 
 
@@ -80,9 +93,77 @@ def _reset_peak_rss() -> None:
         pass
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(jobs: List[Tuple[str, List[Any]]], threads: int) -> None:
+    """The machine's write limit: each file's tensors (``jobs``: path, tensors) pwritten in 16 MiB
+    pieces from ``threads`` threads into a file preallocated to their size, then fsync."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fds, pieces = [], []
+    for path, tensors in jobs:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fds.append(fd)
+        os.posix_fallocate(fd, 0, max(1, sum(t.nbytes for t in tensors)))
+        at = 0
+        for t in tensors:
+            b = memoryview(t.reshape(-1).view(__import__("torch").uint8).numpy())
+            pieces += [(fd, at + i, b[i:i + (16 << 20)]) for i in range(0, len(b), 16 << 20)]
+            at += len(b)
+
+    def put(piece: Tuple[int, int, Any]) -> None:
+        fd, at, b = piece
+        while len(b):
+            n = os.pwrite(fd, b, at)
+            at, b = at + n, b[n:]
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(put, pieces))
+    for fd in fds:
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _measure_save(contender: str, files: List[str], out_dir: str) -> Dict[str, Any]:
+    """One timed save of the sample's shards (read into memory before the clock) into ``out_dir``."""
+    import shutil
+
+    import safetensors.torch
+
+    import safeload.torch
+
+    shards = [(os.path.join(out_dir, os.path.basename(f)), {k: v.clone() for k, v in safetensors.torch.load_file(f).items()})
+              for f in files]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    _reset_peak_rss()
+    start = time.perf_counter()
+    if contender == "st_save":
+        for path, sd in shards:
+            safetensors.torch.save_file(sd, path, metadata={"format": "pt"})
+            _fsync(path)
+    elif contender == "sl_save":
+        for path, sd in shards:
+            safeload.torch.save_file(sd, path, metadata={"format": "pt"}, fsync=True)
+    else:
+        _pwrite_all([(path, list(sd.values())) for path, sd in shards], int(contender[len("ref_write"):]))
+    _fsync(out_dir)
+    seconds = time.perf_counter() - start
+    nbytes = sum(t.nbytes for _, sd in shards for t in sd.values())
+    return {"seconds": seconds, "bytes": nbytes, "peak_rss_kib": bench._vmhwm_kib()}
+
+
 def _measure(contender: str, state: str, files: List[str], from_pretrained: Callable[[], Any],
              threads: int) -> Dict[str, Any]:
-    """One timed load in this (forked) process."""
+    """One timed load (or, in the save state, save) in this (forked) process."""
+    if state == "save":
+        return _measure_save(contender, files, os.path.join(os.path.dirname(os.path.dirname(files[0])), "main-job-save"))
     out: Dict[str, Any] = {}
     if contender == "fp_patch":
         import importlib
@@ -200,7 +281,7 @@ def summarize(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for state in STATES:
         limits = [m["gibs"] for m in (med(state, c) for c in LIMITS[state]) if m]
         limit = max(limits) if limits else None
-        for job, (_, st, sl) in JOBS.items():
+        for job, (_, st, sl) in JOBS_OF[state].items():
             a, b = med(state, st), med(state, sl)
             if not a and not b:
                 continue
@@ -224,7 +305,7 @@ def render(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         ratio = f"**{r['ratio']:.2f}x**" if r["ratio"] else "-"
         of_limit = f"{r['of_limit']:.2f} (limit {r['limit_gibs']:.2f} GiB/s)" if r["of_limit"] else "-"
         lines.append(f"| {r['state']} | {r['job']} | {side(r['safetensors'])} | {side(r['safeload'])} | {ratio} | {of_limit} |")
-    lines += ["", "Jobs: " + "; ".join(f"`{j}`: {d}" for j, (d, _, _) in JOBS.items()) + ".",
+    lines += ["", "Jobs: " + "; ".join(f"`{j}`: {d}" for j, (d, _, _) in {**JOBS, **SAVE_JOBS}.items()) + ".",
               "Tensors equal to 0.8's: " + ", ".join(f"{k} {v if k == 'error' else 'yes' if v else 'NO'}"
                                                     for k, v in meta["verify"].items()),
               f"Cold: resident before the load at most {meta['resident_before_max']:.0%} (after the eviction)."
@@ -235,7 +316,8 @@ def render(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 
 #: the chart's colours: 0.8 grey, safeload blue, the machine's limit red and dashed
 COLORS = {"safetensors": "#9aa0a6", "safeload": "#1a73e8", "limit": "#d93025"}
-STATE_NAMES = {"warm": "Warm (files in the page cache)", "cold": "Cold (evicted before each load)"}
+STATE_NAMES = {"warm": "Warm (files in the page cache)", "cold": "Cold (evicted before each load)",
+               "save": "Save (written and synced)"}
 #: the share-of-limit axis ends here; a longer bar (a warm map, which copies nothing) is cut at the edge
 SHARE_AXIS_MAX = 1.5
 CHART_FILES = ("main-job.png", "main-job.svg")
@@ -327,7 +409,7 @@ def chart(rows: List[Dict[str, Any]], title: str) -> Any:
     from matplotlib.patches import Patch
 
     states = [s for s in STATES if any(r["state"] == s for r in rows)]
-    jobs = [j for j in JOBS if any(r["job"] == j for r in rows)]
+    jobs_of = {s: [j for j in JOBS_OF[s] if any(r["job"] == j and r["state"] == s for r in rows)] for s in states}
     by_key = {(r["state"], r["job"]): r for r in rows}
     # both states share each axis: the longest ratio bar leaves room for its label; shares end at
     # SHARE_AXIS_MAX, or sooner when every bar is shorter
@@ -336,22 +418,26 @@ def chart(rows: List[Dict[str, Any]], title: str) -> Any:
               if r[who] and r["limit_gibs"]]
     share_max = min(SHARE_AXIS_MAX, max([1.15] + [v * 1.3 for v in shares]))
     notes = ["The machine's limit: warm, parallel preadv copying from the page cache; cold, parallel preadv "
-             "from the disk, buffered or O_DIRECT, the faster.",
+             "from the disk, buffered or O_DIRECT, the faster; save, parallel pwrite of the same bytes into "
+             "preallocated files, then fsync (the best of 1, 2 and 4 threads).",
              "A map copies nothing, so a warm map can pass the limit: its bar is broken at the axis's end "
              "and its label says where it would end."]
-    notes += [f"{j}: {d}" for j, (d, _, _) in JOBS.items() if j in jobs]
+    notes += [f"{j}: {d}" for j, (d, _, _) in {**JOBS, **SAVE_JOBS}.items() if any(j in js for js in jobs_of.values())]
 
     panels_h, key_h = 0.6 + 2.3 * max(len(states), 1), 0.45 + 0.19 * len(notes)  # inches
     fig = Figure(figsize=(12.5, panels_h + key_h), layout="constrained")
     FigureCanvasAgg(fig)
     top, key = fig.subfigures(2, 1, height_ratios=(panels_h, key_h))
-    axes = top.subplots(max(len(states), 1), 2, squeeze=False, sharey=True, gridspec_kw={"width_ratios": (1, 1.25)})
+    axes = top.subplots(max(len(states), 1), 2, squeeze=False, gridspec_kw={"width_ratios": (1, 1.25)})
     top.suptitle(title, fontsize=13, fontweight="bold")
     for (ax_ratio, ax_share), state in zip(axes, states):
+        jobs = jobs_of[state]
         _ratio_panel(ax_ratio, state, jobs, by_key, fold)
         _share_panel(ax_share, state, jobs, by_key, share_max)
-    axes[0][0].set_yticks(range(len(jobs)), jobs, fontsize=10)
-    axes[0][0].set_ylim(len(jobs) - 0.5, -0.5)  # the first job on top
+        ax_ratio.set_yticks(range(len(jobs)), jobs, fontsize=10)
+        ax_share.set_yticks(range(len(jobs)), [])
+        for ax in (ax_ratio, ax_share):
+            ax.set_ylim(len(jobs) - 0.5, -0.5)  # the first job on top
     key.legend(handles=[Patch(color=COLORS["safetensors"], label="safetensors 0.8"),
                         Patch(color=COLORS["safeload"], label="safeload"),
                         Line2D([], [], color=COLORS["limit"], linestyle="--", label="the machine's limit"),
@@ -402,10 +488,11 @@ def run(args: argparse.Namespace) -> int:
     bench._log(f"sample: {len(files)} shards, {sum(os.path.getsize(f) for f in files) / GIB:.2f} GiB; "
                "checking that safeload's tensors equal 0.8's ...")
     verify = in_child(lambda: _verify(files, from_pretrained))
-    contenders = [c for _, st, sl in JOBS.values() for c in (st, sl)]
-    plan = [(state, rnd, c) for state in STATES for rnd in range(args.rounds)
-            for c in random.Random(f"{args.seed}/{state}/{rnd}").sample(contenders + list(LIMITS[state]),
-                                                                         len(contenders) + len(LIMITS[state]))]
+    plan = []
+    for state in STATES:
+        contenders = [c for _, st, sl in JOBS_OF[state].values() for c in (st, sl)] + list(LIMITS[state])
+        plan += [(state, rnd, c) for rnd in range(args.rounds)
+                 for c in random.Random(f"{args.seed}/{state}/{rnd}").sample(contenders, len(contenders))]
     runs: List[Dict[str, Any]] = []
     with tqdm.tqdm(total=len(plan), desc="measuring", unit="load", file=sys.stderr, leave=False) as bar:
         for state, rnd, contender in plan:

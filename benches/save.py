@@ -14,11 +14,17 @@ Scenarios (``--gib`` sets the size of all but ``small``):
   16 MiB pieces at increasing offsets into a file ``posix_fallocate``d to size, from 1, 2 and 4
   threads, then ``fsync`` (the best of the three is the limit).
 * ``small``: 20,000 small float32 tensors (55 MiB) in one file, synced: 0.8 against safeload.
-* ``tmpfs``: the ``file`` state dict written under /dev/shm, not synced: 0.8 against safeload.
+* ``tmpfs``: the ``file`` state dict written under /dev/shm, not synced: 0.8 against safeload
+  (run as root, the page cache is dropped before each, so no write waits on reclaiming it).
 * ``checkpoint``: the ``file`` state dict as a 3-shard checkpoint, synced: 0.8 as users do it
   (``huggingface_hub.split_torch_state_dict_into_shards``, ``save_file`` per shard, ``fsync``, the
   index, then ``sha256sum model-*.safetensors > SHA256SUMS``) against safeload's
   ``save_checkpoint(manifest=True, fsync=True)``, whose ``SHA256SUMS`` must pass ``sha256sum -c``.
+* ``save_pretrained``: unmodified transformers ``save_pretrained`` of the main job's sample
+  (``bench-data/main-job-llama-main``, loaded before the clock; ``--model`` to change; 2 shards,
+  ``max_shard_size="700MB"`` as it was written), synced: stock, under ``SAFELOAD_PATCH=1``, stock
+  then ``sha256sum``, and patched with ``SAFELOAD_SAVE_MANIFEST=1`` (its ``SHA256SUMS`` must pass
+  ``sha256sum -c``).
 
 Each child imports torch and both libraries and builds its state dict from a fixed seed before
 the clock; the clock stops when the files and their directory are synced. The output directory
@@ -48,7 +54,11 @@ WAYS: Dict[str, List[str]] = {
     "small": [ST, SL],
     "tmpfs": ["0.8 save_file", "safeload save_file"],
     "checkpoint": ["0.8 per shard + sha256sum", "safeload save_checkpoint"],
+    "save_pretrained": ["stock save_pretrained", "SAFELOAD_PATCH=1", "stock + sha256sum",
+                        "SAFELOAD_PATCH=1 + SAVE_MANIFEST"],
 }
+#: the ways that run with safeload patched in, and the one that also records the manifest
+PATCHED = ("SAFELOAD_PATCH=1", "SAFELOAD_PATCH=1 + SAVE_MANIFEST")
 THREADS = {"safeload, 1 thread": "1", "safeload, 2 threads": "2", "safeload, 4 threads": "4"}
 LIMIT = "write limit (best pwrite)"
 
@@ -59,13 +69,21 @@ import torch, safetensors.torch, safeload.torch
 from huggingface_hub import split_torch_state_dict_into_shards
 scenario, way, out, gib = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 gen = torch.Generator().manual_seed(0)
-if scenario == "small":
+if scenario == "save_pretrained":
+    import transformers
+    transformers.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[5], dtype=torch.bfloat16)
+    sd = model.state_dict()
+    if way.startswith("SAFELOAD_PATCH=1"):
+        safeload.patch()  # what the startup hook does under SAFELOAD_PATCH=1
+elif scenario == "small":
     shapes = ((64,), (256,), (8, 64), (32, 64))
     sd = {f"t.{i}": torch.randn(shapes[i % 4], generator=gen) for i in range(20000)}
 else:  # 192 equal bf16 tensors (rows x 1024) totalling about gib
     rows = max(1, round(gib * (1 << 30) / 2 / 192 / 1024))
-    sd = {f"layers.{i // 8}.w{i % 8}": torch.empty(rows, 1024, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
-          for i in range(192)}
+    # random bits (some NaN patterns among them: a writer copies bytes), 10x faster to make than normal_
+    sd = {f"layers.{i // 8}.w{i % 8}": torch.empty(rows * 2048, dtype=torch.uint8).random_(generator=gen)
+          .view(torch.bfloat16).view(rows, 1024) for i in range(192)}
 total = sum(t.nbytes for t in sd.values())
 # Equal tensors, 192 of them: 64 + 1/2 tensors a shard makes exactly 3 shards.
 per = next(iter(sd.values())).nbytes
@@ -123,6 +141,11 @@ elif way == "0.8 per shard + sha256sum":
         json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
     subprocess.run("sha256sum model-*.safetensors > SHA256SUMS", shell=True, cwd=out, check=True)
     sync(index, os.path.join(out, "SHA256SUMS"), out)
+elif scenario == "save_pretrained":
+    model.save_pretrained(out, max_shard_size="700MB")
+    if way == "stock + sha256sum":
+        subprocess.run("sha256sum *.safetensors > SHA256SUMS", shell=True, cwd=out, check=True)
+    sync(*(os.path.join(out, n) for n in os.listdir(out)), out)
 elif way == "safeload save_checkpoint":
     safeload.torch.save_checkpoint(sd, out, max_shard_size=max_shard, metadata={"format": "pt"},
                                    manifest=True, fsync=True)
@@ -153,26 +176,41 @@ def _empty(folder: str) -> None:
     os.makedirs(folder)
 
 
-def _child(scenario: str, way: str, out: str, gib: float) -> Dict:
+def _free_memory() -> None:
+    """Drops the page cache (root only; else nothing), so that a tmpfs write does not wait on
+    reclaiming it: without this, tmpfs rounds here took 0.8 s or 1.7-3 s by the memory's state."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        pass
+
+
+def _child(scenario: str, way: str, out: str, gib: float, model: str) -> Dict:
     """One way, once, in a fresh process (the output folder emptied first, off the clock)."""
     _empty(out)
+    if scenario == "tmpfs":
+        _free_memory()
     env = {k: v for k, v in os.environ.items() if k not in ("SAFELOAD_WRITE_THREADS", "SAFELOAD_PATCH",
                                                              "SAFELOAD_SAVE_MANIFEST")}
     if way in THREADS:
         env["SAFELOAD_WRITE_THREADS"] = THREADS[way]
-    r = subprocess.run([sys.executable, "-c", CHILD, scenario, way, out, str(gib)], capture_output=True,
+    if way == PATCHED[1]:
+        env["SAFELOAD_SAVE_MANIFEST"] = "1"
+    r = subprocess.run([sys.executable, "-c", CHILD, scenario, way, out, str(gib), model], capture_output=True,
                        text=True, env=env, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{scenario} / {way} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    if way == "safeload save_checkpoint":  # its manifest must check, off the clock
+    if way in ("safeload save_checkpoint", PATCHED[1]):  # its manifest must check, off the clock
         c = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
-        if c.returncode != 0 or c.stdout.count(": OK") != 3:
+        if c.returncode != 0 or c.stdout.count(": OK") != len(got["files"]):
             raise RuntimeError(f"sha256sum -c SHA256SUMS failed in {out}:\n{c.stdout}{c.stderr}")
     return got
 
 
-def run(scenario: str, rounds: int, gib: float, folder: str) -> Dict:
+def run(scenario: str, rounds: int, gib: float, folder: str, model: str) -> Dict:
     """Every way of ``scenario``, ``rounds`` times, interleaved (each first in turn); the raw runs."""
     ways = WAYS[scenario]
     if scenario == "tmpfs":
@@ -188,7 +226,7 @@ def run(scenario: str, rounds: int, gib: float, folder: str) -> Dict:
         for r in range(rounds):
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:
-                got = _child(scenario, way, out, gib)
+                got = _child(scenario, way, out, gib, model)
                 runs[way].append(got)
                 print(f"{scenario} round {r + 1}/{rounds}  {way:32s} {got['s']:8.3f} s  "
                       f"+{got['rss_growth_kib'] / 1024:7.1f} MiB RSS", file=sys.stderr, flush=True)
@@ -236,14 +274,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--gib", type=float, default=2.0, help="size of the file, tmpfs and checkpoint state dicts")
     ap.add_argument("--dir", default=os.path.join(ROOT, "bench-data", "save"),
                     help="where synced writes go (a disk, not a tmpfs)")
+    ap.add_argument("--model", default=os.path.join(ROOT, "bench-data", "main-job-llama-main"),
+                    help="save_pretrained: the model to load and save (written by benches/main_job.py)")
     ap.add_argument("--json", metavar="OUT", help="also write the rows and every run here")
     args = ap.parse_args(argv)
 
     scenarios = list(WAYS) if args.scenario == "all" else [args.scenario]
+    if args.scenario == "all" and not os.path.isdir(args.model):
+        print(f"save_pretrained left out: no model at {args.model} (benches/main_job.py writes it)", file=sys.stderr)
+        scenarios.remove("save_pretrained")
     os.makedirs(args.dir, exist_ok=True)
     report: Dict[str, Tuple] = {}
     for scenario in scenarios:
-        runs = run(scenario, args.rounds, args.gib, args.dir)
+        if scenario == "save_pretrained" and not os.path.isdir(args.model):
+            raise SystemExit(f"{args.model}: no model to save; run benches/main_job.py once (it writes it)")
+        runs = run(scenario, args.rounds, args.gib, args.dir, args.model)
         report[scenario] = (summarize(scenario, runs), runs)
     for scenario, (rows, _) in report.items():
         print(render(scenario, rows, args.rounds) + "\n")

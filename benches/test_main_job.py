@@ -64,16 +64,18 @@ def test_chart_shows_ratios_and_shares_of_the_limit_per_state(tmp_path):
     rows = [row("warm", "load_file", 79.0, 89.0, 10.0), row("warm", "pread", 4.0, 9.0, 10.0),
             row("warm", "get_tensor loop", 2.5, 8.5, 10.0), row("warm", "from_pretrained", 3.0, 6.0, 10.0),
             row("cold", "load_file", 0.9, 1.3, 1.6), row("cold", "pread", 1.2, 1.0, 1.6),
-            row("cold", "get_tensor loop", 0.8, 1.4, 1.6), row("cold", "from_pretrained", None, 1.1, 1.6)]
+            row("cold", "get_tensor loop", 0.8, 1.4, 1.6), row("cold", "from_pretrained", None, 1.1, 1.6),
+            row("save", "save_file", 0.3, 0.42, 0.45)]
     paths = mj.write_chart(rows, "safeload vs safetensors 0.8: test rows", str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == ["main-job.png", "main-job.svg"]
     assert_png(tmp_path / "main-job.png")
     texts = svg_texts(tmp_path / "main-job.svg")
-    for state, limit in (("warm", 10.0), ("cold", 1.6)):
+    for state, limit in (("warm", 10.0), ("cold", 1.6), ("save", 0.45)):
         assert mj.ratio_title(state) in texts and mj.share_title(state, limit) in texts
     assert "Warm (files in the page cache): safeload / 0.8" in texts
     assert "Cold: each side as % of the machine's limit (1.60 GiB/s)" in texts
     assert all(texts.count(job) == 2 for job in JOB_NAMES), texts  # the y labels, once per state
+    assert texts.count("save_file") == 1 and "1.40\u00d7" in texts  # the save row: its own job
     assert {"1.13\u00d7", "2.25\u00d7", "0.83\u00d7", "1.75\u00d7"} <= set(texts)  # ratios, below 1 included
     assert "81% \u00b7 1.3 GiB/s" in texts and "no result" in texts  # a cold share; the failed side says so
     assert "off the scale: 890% \u00b7 89.0 GiB/s \u2192" in texts  # a warm map past the axis: its value printed
@@ -95,23 +97,24 @@ def test_main_job_writes_table_json_and_chart(tiny, tmp_path):
     runs = result["runs"]
     assert all("error" not in r for r in runs), [r["error"] for r in runs if "error" in r]
     jobs = {(r["state"], r["job"]) for r in result["rows"] if r["safetensors"] and r["safeload"]}
-    assert jobs == {(s, j) for s in ("warm", "cold") for j in ("load_file", "pread", "get_tensor loop", "from_pretrained")}
+    assert jobs == {(s, j) for s in ("warm", "cold") for j in JOB_NAMES} | {("save", "save_file")}
     shards = [os.path.join(result["meta"]["sample"], n) for n in os.listdir(result["meta"]["sample"])
               if n.endswith(".safetensors")]
     data_bytes = 0
     for f in shards:  # each file's data area: its size less the 8-byte length and the header
         with open(f, "rb") as fh:
             data_bytes += os.path.getsize(f) - 8 - int.from_bytes(fh.read(8), "little")
-    loads = [r for r in runs if not r["contender"].startswith("ref_")]
-    assert {r["bytes"] for r in loads} == {data_bytes}  # every tensor of every shard, each time
+    loads = [r for r in runs if not r["contender"].startswith("ref_") or r["state"] == "save"]
+    assert {r["bytes"] for r in loads} == {data_bytes}  # every tensor of every shard, each time (saves too)
     table = (out / "main-job.md").read_text()
     assert table in p.stdout and table.count("\n| warm |") == 4 and table.count("\n| cold |") == 4
+    assert table.count("\n| save | save_file |") == 1
     assert_png(out / "main-job.png")
     texts = svg_texts(out / "main-job.svg")
     assert all(job in texts for job in JOB_NAMES), texts
     mj = main_job()
     limits = {r["state"]: r["limit_gibs"] for r in result["rows"]}
-    for state in ("warm", "cold"):
+    for state in ("warm", "cold", "save"):
         assert mj.ratio_title(state) in texts and mj.share_title(state, limits[state]) in texts
     for r in result["rows"]:  # every ratio of the table is on the chart
         assert f"{r['ratio']:.2f}\u00d7" in texts

@@ -35,8 +35,8 @@ pub use format::dtype::Dtype;
 pub use format::header::{
     Header, HeaderError, TensorInfo, byte_size, header_len, parse as parse_header,
 };
-pub use format::serialize::{TensorIn, to_bytes};
+pub use format::serialize::{TensorIn, TensorLayout, to_bytes};
 pub use read::buffer::TensorBytes;
 pub use read::source::{ReadOptions, Source, hash_files};
 pub use read::strategy::{Backend, Strategy};
-pub use storage::write::{FileOut, WriteOptions, to_file, write_files};
+pub use storage::write::{FileOut, Session, WriteOptions, to_file, write_files};

@@ -285,3 +285,66 @@ def test_ctrl_c_mid_save_removes_the_temporaries(tmp_path):
         # stopped inside the writer: the earlier files as they were
         assert {n: read_bytes(tmp_path / n) for n in os.listdir(tmp_path)} == before
     assert _loads_as(tmp_path, seed=1, tensors=4) or _loads_as(tmp_path, seed=2, tensors=12)
+
+
+# -- a device's tensors through the staging ring (CpuSink: the device stand-in) ------------------
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_staged_save_equals_0_8_and_hashes_what_it_wrote(tmp_path, defer):
+    """The ring path (CUDA's: copies into host buffers, each written while the next fills), with
+    the plain-memory stand-in; ``defer`` queues each copy until its buffer is waited on, so a
+    buffer written before its copy completed would write the previous fill's bytes."""
+    from safeload import _save
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+    from cpu_sink import CpuSink
+
+    tensors = mixed_tensors(7)
+    shards = [{k: v for i, (k, v) in enumerate(tensors.items()) if i % 2 == j} for j in range(2)]
+    sink = CpuSink(defer=defer)
+    paths = [str(tmp_path / f"s{j}.safetensors") for j in range(2)]
+    digests = _save.write_staged([(shard, path, {"format": "pt"}) for shard, path in zip(shards, paths)], sink,
+                                 fsync=True, hash=True, staging_bytes=1 << 20, slots=2)
+    for shard, path, digest in zip(shards, paths, digests):
+        assert read_bytes(path) == st_torch.save(shard, metadata={"format": "pt"})
+        assert digest == sha256(path)
+    assert sink.log.count(("staging", 1 << 20)) == 2  # host memory: the ring
+    fills = [e for e in sink.log if e[0] == "fill"]
+    assert len(fills) > 20 and {slot for _, _, slot in fills} == {0, 1}
+    assert sorted(os.listdir(tmp_path)) == ["s0.safetensors", "s1.safetensors"]
+
+
+def test_staged_save_that_fails_leaves_nothing(tmp_path):
+    from safeload import _save
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+    from cpu_sink import CpuSink
+
+    class Failing(CpuSink):
+        def copy_fill(self, index, pairs):
+            if index == 3:
+                raise RuntimeError("device lost")
+            super().copy_fill(index, pairs)
+
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"earlier")
+    with pytest.raises(RuntimeError, match="device lost"):
+        _save.write_staged([({"a": torch.randn(1 << 20)}, str(path), None)], Failing(), fsync=False, hash=True,
+                           staging_bytes=1 << 19)
+    assert read_bytes(path) == b"earlier" and os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def test_staged_writer_refuses_bytes_out_of_order_and_an_unfinished_file(tmp_path):
+    from safeload._safeload import Writer
+
+    data = torch.arange(1000, dtype=torch.float32)
+    w = Writer([([("a", "float32", [1000], 4000)], str(tmp_path / "a.safetensors"), None)], hash=True)
+    (name, start), = w.offsets[0]
+    assert name == "a" and start == len(st_torch.save({"a": data})) - 4000
+    with pytest.raises(SafetensorError, match="in order"):
+        w.write(0, start + 8, data.data_ptr() + 8, 100)
+    w.write(0, start, data.data_ptr(), 2000)
+    with pytest.raises(SafetensorError, match=r"ended with \d+ of \d+ bytes written"):
+        w.finish()  # half the bytes: refused, nothing renamed
+    assert os.listdir(tmp_path) == []

@@ -47,6 +47,7 @@ __all__ = [
     "BACKENDS",
     "serialize_file",
     "serialize_files",
+    "Writer",
 ]
 
 __version__: str
@@ -380,4 +381,21 @@ def serialize_files(
     fsync: bool = False,
     hash: bool = False,
 ) -> Optional[List[str]]: ...
+@final
+class Writer:
+    """A save whose bytes arrive in pieces (a device's tensors staged through host buffers)."""
+
+    def __new__(
+        cls,
+        files: List[Tuple[List[Tuple[str, str, List[int], int]], str, Optional[Dict[str, str]]]],
+        *,
+        fsync: bool = False,
+        hash: bool = False,
+    ) -> Self: ...
+    @property
+    def offsets(self) -> List[List[Tuple[str, int]]]: ...
+    def write(self, file: int, offset: int, data_ptr: int, data_len: int) -> None: ...
+    def finish(self) -> Optional[List[str]]: ...
+    def abort(self) -> None: ...
+
 def deserialize(bytes: bytes) -> List[Tuple[str, Dict[str, Any]]]: ...

@@ -24,7 +24,7 @@ import re
 import tempfile
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
-from ._safeload import SafetensorError, manifest_line, read_manifest, serialize_file, serialize_files
+from ._safeload import SafetensorError, manifest_line, read_manifest, serialize_files
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -143,21 +143,37 @@ def manifest_wanted() -> bool:
     return os.environ.get(MANIFEST_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def save_file(specs: Dict[str, Any], filename: PathLike, metadata: Optional[Dict[str, str]], fsync: bool,
-              manifest: bool) -> None:
+#: A framework's writer: ``write(files, fsync, hash)`` writes ``files`` (tensors by name, path,
+#: metadata) together and returns their SHA-256 (hex) when ``hash``.
+Write = Callable[[List[Tuple[Dict[str, Any], str, Optional[Dict[str, str]]]], bool, bool], Optional[List[str]]]
+
+
+def host_writer(flatten: Callable[[Dict[str, Any]], Dict[str, Any]]) -> Write:
+    """The writer of tensors in host memory: ``flatten`` makes each file's TensorSpecs (keeping
+    what they point at alive), the Rust writer writes them straight from that memory."""
+    def write(files: List[Tuple[Dict[str, Any], str, Optional[Dict[str, str]]]], fsync: bool,
+              hash: bool) -> Optional[List[str]]:
+        return serialize_files([(flatten(t), path, meta) for t, path, meta in files], fsync=fsync, hash=hash)
+
+    return write
+
+
+def save_file(write: Write, tensors: Dict[str, Any], filename: PathLike, metadata: Optional[Dict[str, str]],
+              fsync: bool, manifest: bool) -> None:
     """One file; with ``manifest``, its digest (of the bytes written) into the ``SHA256SUMS`` beside it."""
-    digest = serialize_file(specs, filename, metadata=metadata, fsync=fsync, hash=manifest)
-    if manifest and digest is not None:
-        path = os.fspath(filename)
-        record_digests(os.path.dirname(path) or ".", {os.path.basename(path): digest}, fsync)
+    path = os.fspath(filename)
+    digests = write([(tensors, path, metadata)], fsync, manifest)
+    if manifest and digests:
+        record_digests(os.path.dirname(path) or ".", {os.path.basename(path): digests[0]}, fsync)
 
 
-def save_checkpoint(flatten: Callable[[Dict[str, Any]], Dict[str, Any]], state_dict: Dict[str, Any],
-                    directory: PathLike, sizes: Tuple[Callable[[str], int], Callable[[str], Optional[Hashable]]], *,
+def save_checkpoint(write: Write, state_dict: Dict[str, Any], directory: PathLike,
+                    sizes: Tuple[Callable[[str], int], Callable[[str], Optional[Hashable]]], *,
                     max_shard_size: Union[int, str], metadata: Optional[Dict[str, str]], manifest: bool,
                     filename_pattern: str, fsync: bool) -> List[str]:
-    """Writes ``state_dict`` as a sharded checkpoint in ``directory``; returns the shards' paths.
-    ``flatten`` turns a shard's tensors into TensorSpecs (keeping their memory alive)."""
+    """Writes ``state_dict`` as a sharded checkpoint in ``directory`` with ``write`` (every shard
+    in one call, so they are written side by side); returns the shards' paths. ``sizes``: each
+    name's storage size and storage (tensors sharing one go in the same shard)."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     size_of, storage_of = sizes
@@ -166,8 +182,8 @@ def save_checkpoint(flatten: Callable[[Dict[str, Any]], Dict[str, Any]], state_d
     if not shards:
         shards = [[]]
     paths = [os.path.join(directory, name) for name in names]
-    jobs = [(flatten({k: state_dict[k] for k in shard}), path, metadata) for shard, path in zip(shards, paths)]
-    digests = serialize_files(jobs, fsync=fsync, hash=manifest)
+    jobs = [({k: state_dict[k] for k in shard}, path, metadata) for shard, path in zip(shards, paths)]
+    digests = write(jobs, fsync, manifest)
     if manifest and digests is not None:
         record_digests(directory, dict(zip(names, digests)), fsync)
     if len(shards) > 1:
@@ -191,3 +207,81 @@ def _remove_earlier(directory: str, names: List[str], pattern: str) -> None:
         with _quiet():
             os.unlink(os.path.join(directory, name))
 
+
+
+# -- tensors on a device: staged through a ring of host buffers ---------------------------------
+
+#: Each staging buffer's size, and how many there are (one fills from the device while the one
+#: before is written).
+STAGING_BYTES = 64 << 20
+STAGING_SLOTS = 2
+
+
+def write_staged(files: List[Tuple[Dict[str, Any], str, Optional[Dict[str, str]]]], sink: Any, *, fsync: bool,
+                 hash: bool, staging_bytes: int = STAGING_BYTES, slots: int = STAGING_SLOTS) -> Optional[List[str]]:
+    """Writes ``files`` (tensors by name, path, metadata) whose tensors live on a device: each
+    file's bytes, in file order, are copied into host buffers by ``sink`` (a
+    :class:`safeload._sinks.Sink`: pinned buffers and a copy stream for CUDA) and written by the
+    Rust writer on a thread of its own while the next buffer fills. Host memory: the ring, never
+    the state dict. Returns the files' SHA-256 (hex) when ``hash``."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from ._safeload import Writer
+
+    layouts = [([(name, str(t.dtype).split(".")[-1], list(t.shape), t.nelement() * t.element_size())
+                 for name, t in tensors.items()], path, metadata) for tensors, path, metadata in files]
+    writer = Writer(layouts, fsync=fsync, hash=hash)
+    fills = _fills(writer.offsets, [tensors for tensors, _, _ in files], staging_bytes)
+    ring = [sink.alloc_staging(staging_bytes) for _ in range(max(1, min(slots, len(fills))))]
+    pending: List[Future] = []
+    pool = ThreadPoolExecutor(1, thread_name_prefix="safeload-save")
+    try:
+        sink.start()  # the copies wait for the work that made the tensors
+        for index, (file, offset, parts) in enumerate(fills):
+            if len(pending) == len(ring):
+                pending.pop(0).result()  # the buffer's last write is done: refill it
+            buf, ptr = ring[index % len(ring)]
+            sink.filling(index, index % len(ring))
+            sink.copy_fill(index, [(buf[at:at + src.numel()], src) for at, src in parts])
+            sink.wait(index)
+            size = sum(src.numel() for _, src in parts)
+            pending.append(pool.submit(writer.write, file, offset, ptr, size))
+        for done in pending:
+            done.result()
+        sink.finish()
+        return writer.finish()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        sink.abort()
+        writer.abort()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _fills(offsets: List[List[Tuple[str, int]]], tensors: List[Dict[str, Any]],
+           staging_bytes: int) -> List[Tuple[int, int, List[Tuple[int, Any]]]]:
+    """Each file's data cut into buffers of at most ``staging_bytes``: (file, offset in the file,
+    [(offset in the buffer, 1-D uint8 view of a tensor's bytes)]), in file order."""
+    import torch
+
+    fills: List[Tuple[int, int, List[Tuple[int, Any]]]] = []
+    for file, placed in enumerate(offsets):
+        parts: List[Tuple[int, Any]] = []
+        start = used = 0
+        for name, offset in placed:
+            data = tensors[file][name].reshape(-1).view(torch.uint8)
+            done = 0
+            while done < data.numel():
+                if not parts:
+                    start, used = offset + done, 0
+                n = min(data.numel() - done, staging_bytes - used)
+                parts.append((used, data[done:done + n]))
+                used += n
+                done += n
+                if used == staging_bytes:
+                    fills.append((file, start, parts))
+                    parts = []
+        if parts:
+            fills.append((file, start, parts))
+    return fills

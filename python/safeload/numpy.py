@@ -44,6 +44,11 @@ def _flatten(tensor_dict: Dict[str, np.ndarray], keep_alive: List[Any]) -> Dict[
     return specs
 
 
+def _writer() -> _save.Write:
+    keep_alive: List[Any] = []
+    return _save.host_writer(lambda arrays: _flatten(arrays, keep_alive))
+
+
 def save(tensor_dict: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``."""
     keep_alive: List[Any] = []
@@ -60,8 +65,7 @@ def save_file(
 ) -> None:
     """Writes ``tensor_dict`` to ``filename`` atomically (temporary file + rename); ``fsync`` and
     ``manifest`` as :func:`safeload.torch.save_file`'s."""
-    keep_alive: List[Any] = []
-    _save.save_file(_flatten(tensor_dict, keep_alive), filename, metadata, fsync, manifest)
+    _save.save_file(_writer(), tensor_dict, filename, metadata, fsync, manifest)
 
 
 def save_checkpoint(
@@ -76,8 +80,7 @@ def save_checkpoint(
 ) -> List[str]:
     """:func:`safeload.torch.save_checkpoint` for arrays (split by ``nbytes``, as
     ``huggingface_hub.split_numpy_state_dict_into_shards``)."""
-    keep_alive: List[Any] = []
-    return _save.save_checkpoint(lambda shard: _flatten(shard, keep_alive), tensor_dict, directory,
+    return _save.save_checkpoint(_writer(), tensor_dict, directory,
                                  (lambda n: int(tensor_dict[n].nbytes), lambda n: None),
                                  max_shard_size=max_shard_size, metadata=metadata, manifest=manifest,
                                  filename_pattern=filename_pattern, fsync=fsync)

@@ -82,10 +82,9 @@ def _evaluate_tensors_for_save(tensors: Dict[str, torch.Tensor]) -> None:
         )
 
 
-def _flatten_as_ptr(tensors: Dict[str, torch.Tensor], keep_alive: List[Any]) -> Dict[str, TensorSpec]:
-    """TensorSpecs pointing at each tensor's CPU bytes; ``keep_alive`` holds what they point at."""
+def _check_contiguous(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``tensors`` after 0.8's checks (tensors, dense, not sharing memory, contiguous)."""
     _evaluate_tensors_for_save(tensors)
-    specs = {}
     for name, tensor in tensors.items():
         if not tensor.is_contiguous():
             raise ValueError(
@@ -94,6 +93,29 @@ def _flatten_as_ptr(tensors: Dict[str, torch.Tensor], keep_alive: List[Any]) -> 
                 " only the full tensors, and reslice at load time, or simply call `.contiguous()` on your tensor to"
                 " pack it before saving."
             )
+    return tensors
+
+
+def _writer(tensors: Dict[str, torch.Tensor]) -> _save.Write:
+    """How ``tensors`` are written: CUDA tensors (of one device) through the pinned staging ring
+    (device-to-host copies overlapped with the writes; host memory: the ring), others straight
+    from their CPU memory (another device's copied to the CPU first; MPS through that copy)."""
+    values = tensors.values() if isinstance(tensors, dict) else ()  # else 0.8's error, from the checks
+    devices = {t.device for t in values if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+    if len(devices) == 1 and next(iter(devices)).type == "cuda":
+        from ._sinks import make_sink
+
+        sink = make_sink(next(iter(devices)))
+        return lambda files, fsync, hash: _save.write_staged([(_check_contiguous(t), p, m) for t, p, m in files],
+                                                             sink, fsync=fsync, hash=hash)
+    keep_alive: List[Any] = []
+    return _save.host_writer(lambda shard: _flatten_as_ptr(shard, keep_alive))
+
+
+def _flatten_as_ptr(tensors: Dict[str, torch.Tensor], keep_alive: List[Any]) -> Dict[str, TensorSpec]:
+    """TensorSpecs pointing at each tensor's CPU bytes; ``keep_alive`` holds what they point at."""
+    specs = {}
+    for name, tensor in _check_contiguous(tensors).items():
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
         keep_alive.append(tensor)
@@ -125,8 +147,7 @@ def save_file(
     side by side from the tensors' memory with the GIL released. ``fsync``: on the disk before
     returning. ``manifest``: the file's SHA-256, computed from the bytes as they are written, goes
     into the ``SHA256SUMS`` beside it."""
-    keep_alive: List[Any] = []
-    _save.save_file(_flatten_as_ptr(tensors, keep_alive), filename, metadata, fsync, manifest)
+    _save.save_file(_writer(tensors), tensors, filename, metadata, fsync, manifest)
 
 
 def save_checkpoint(
@@ -144,8 +165,6 @@ def save_checkpoint(
     ``model.safetensors.index.json``) with, under ``manifest``, a ``SHA256SUMS`` of the bytes
     written (no second read): ``load_checkpoint(directory, verify=True)`` checks it. Returns the
     shards' paths. See :mod:`safeload._save` for what a save killed half-way leaves."""
-    keep_alive: List[Any] = []
-
     def size_of(name: str) -> int:
         return int(storage_size(state_dict[name]))
 
@@ -153,7 +172,7 @@ def save_checkpoint(
         t = state_dict[name]
         return None if t.device.type == "meta" else (t.device, storage_ptr(t), storage_size(t))
 
-    return _save.save_checkpoint(lambda shard: _flatten_as_ptr(shard, keep_alive), state_dict, directory,
+    return _save.save_checkpoint(_writer(state_dict), state_dict, directory,
                                  (size_of, storage_of), max_shard_size=max_shard_size, metadata=metadata,
                                  manifest=manifest, filename_pattern=filename_pattern, fsync=fsync)
 

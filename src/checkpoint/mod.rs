@@ -537,7 +537,7 @@ mod tests {
     use crate::format::serialize;
 
     fn write(path: &std::path::Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
-        let mut specs: Vec<serialize::TensorIn<'_>> = tensors
+        let specs: Vec<serialize::TensorIn<'_>> = tensors
             .iter()
             .map(|(n, d, s, b)| serialize::TensorIn {
                 name: n,
@@ -546,7 +546,7 @@ mod tests {
                 data: b,
             })
             .collect();
-        crate::storage::write::to_file(path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(path, &specs, None, false).unwrap();
     }
 
     #[test]

@@ -492,7 +492,7 @@ mod tests {
             .flat_map(|i| (i as f32).to_le_bytes())
             .collect();
         let b: Vec<u8> = (0..=255u8).collect();
-        let mut specs = vec![
+        let specs = vec![
             serialize::TensorIn {
                 name: "a",
                 dtype: Dtype::F32,
@@ -506,7 +506,7 @@ mod tests {
                 data: &b,
             },
         ];
-        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &specs, None, false).unwrap();
         let digest = Digest::of(&std::fs::read(&path).unwrap());
         (path, digest)
     }

@@ -150,7 +150,7 @@ mod tests {
                 data: &data[i],
             });
         }
-        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &specs, None, false).unwrap();
         let open = || {
             Arc::new(
                 Checkpoint::open(

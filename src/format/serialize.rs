@@ -16,16 +16,64 @@ pub struct TensorIn<'a> {
     pub data: &'a [u8],
 }
 
+/// What the header says of a tensor: its name, dtype, shape and byte length (the bytes
+/// themselves may come later: a device's tensors are staged through host buffers).
+pub trait Described {
+    fn name(&self) -> &str;
+    fn dtype(&self) -> Dtype;
+    fn shape(&self) -> &[usize];
+    fn len(&self) -> usize;
+}
+
+impl Described for TensorIn<'_> {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A tensor described without its bytes.
+#[derive(Clone, Debug)]
+pub struct TensorLayout {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub len: usize,
+}
+
+impl Described for TensorLayout {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 fn json_string(s: &str) -> String {
     serde_json::to_string(s).expect("strings always serialize")
 }
 
 /// Sorts `tensors` into file order and returns the 8-byte prefix + padded JSON header.
-pub fn header(
-    tensors: &mut [TensorIn<'_>],
+pub fn header<T: Described>(
+    tensors: &mut [T],
     metadata: Option<&[(String, String)]>,
 ) -> Result<Vec<u8>> {
-    tensors.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(b.name)));
+    tensors.sort_by(|a, b| (b.dtype().cmp(&a.dtype())).then_with(|| a.name().cmp(b.name())));
     let mut json = String::from("{");
     if let Some(metadata) = metadata {
         let mut entries: Vec<&(String, String)> = metadata.iter().collect();
@@ -43,29 +91,29 @@ pub fn header(
     }
     let mut offset = 0usize;
     for (i, t) in tensors.iter().enumerate() {
-        let need = header::byte_size(t.dtype, t.shape).map_err(|_| {
+        let need = header::byte_size(t.dtype(), t.shape()).map_err(|_| {
             Error::Serialize(format!(
                 "Error while serializing: overflow computing buffer size from shape and/or element type of tensor `{}`",
-                t.name
+                t.name()
             ))
         })?;
-        if need != t.data.len() {
+        if need != t.len() {
             return Err(Error::Serialize(format!(
                 "Error while serializing: invalid shape, data type, or offset for tensor `{}`: {} {:?} needs {need} bytes, got {}",
-                t.name,
-                t.dtype,
-                t.shape,
-                t.data.len()
+                t.name(),
+                t.dtype(),
+                t.shape(),
+                t.len()
             )));
         }
         if metadata.is_some() || i > 0 {
             json.push(',');
         }
-        let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
+        let shape: Vec<String> = t.shape().iter().map(usize::to_string).collect();
         json.push_str(&format!(
             "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
-            json_string(t.name),
-            t.dtype.code(),
+            json_string(t.name()),
+            t.dtype().code(),
             shape.join(","),
             offset,
             offset + need

@@ -157,6 +157,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_file, m)?)?;
     m.add_function(wrap_pyfunction!(write::serialize_files, m)?)?;
+    m.add_class::<write::Writer>()?;
     m.add_function(wrap_pyfunction!(write::deserialize, m)?)?;
     // Test-only helpers: built with cargo feature `testing` (.ci/run's install), not in wheels.
     #[cfg(feature = "testing")]

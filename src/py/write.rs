@@ -10,8 +10,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use super::errors::detached;
 use crate::error::Error;
 use crate::format::dtype::Dtype;
+use crate::format::serialize::TensorLayout;
 use crate::format::serialize::{TensorIn, to_bytes};
-use crate::storage::write::{FileOut, WriteOptions, write_files};
+use crate::storage::write::{FileOut, Session, WriteOptions, write_files};
 
 /// Framework dtype names (`torch`'s and `numpy`'s, which agree) or format codes to dtypes.
 fn parse_dtype_name(name: &str) -> PyResult<Dtype> {
@@ -96,9 +97,7 @@ fn inputs<'a>(specs: &'a [(String, TensorSpec)]) -> PyResult<Vec<TensorIn<'a>>> 
         .iter()
         .map(|(name, spec)| {
             if name == "__metadata__" {
-                return Err(PyErr::from(Error::Serialize(
-                    "Error while serializing: a tensor cannot be named `__metadata__` (the header's metadata key)".into(),
-                )));
+                return Err(metadata_name());
             }
             let data: &[u8] = if spec.data_len == 0 {
                 &[]
@@ -106,9 +105,16 @@ fn inputs<'a>(specs: &'a [(String, TensorSpec)]) -> PyResult<Vec<TensorIn<'a>>> 
                 // SAFETY: the caller (safeload.torch / safeload.numpy, or a user of TensorSpec)
                 // passes the address and length of live memory it keeps alive during the call,
                 // as safetensors' TensorSpec contract requires.
-                unsafe { std::slice::from_raw_parts(spec.data_ptr as usize as *const u8, spec.data_len) }
+                unsafe {
+                    std::slice::from_raw_parts(spec.data_ptr as usize as *const u8, spec.data_len)
+                }
             };
-            Ok(TensorIn { name, dtype: spec.dtype, shape: &spec.shape, data })
+            Ok(TensorIn {
+                name,
+                dtype: spec.dtype,
+                shape: &spec.shape,
+                data,
+            })
         })
         .collect()
 }
@@ -135,6 +141,19 @@ pub fn serialize<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
+/// One file to write from Python: its tensors by name, its path, its `__metadata__`.
+type SpecFile = (
+    HashMap<String, TensorSpec>,
+    PathBuf,
+    Option<HashMap<String, String>>,
+);
+/// A [`SpecFile`] with its tensors and metadata as lists.
+type Collected = (
+    Vec<(String, TensorSpec)>,
+    PathBuf,
+    Option<Vec<(String, String)>>,
+);
+
 /// Writes one file; with `hash`, returns its SHA-256 (hex) computed from the bytes written.
 #[pyfunction]
 #[pyo3(signature = (tensor_dict, filename, metadata=None, *, fsync=false, hash=false))]
@@ -157,19 +176,11 @@ pub fn serialize_file(
 #[pyo3(signature = (files, *, fsync=false, hash=false))]
 pub fn serialize_files(
     py: Python<'_>,
-    files: Vec<(
-        HashMap<String, TensorSpec>,
-        PathBuf,
-        Option<HashMap<String, String>>,
-    )>,
+    files: Vec<SpecFile>,
     fsync: bool,
     hash: bool,
 ) -> PyResult<Option<Vec<String>>> {
-    let specs: Vec<(
-        Vec<(String, TensorSpec)>,
-        PathBuf,
-        Option<Vec<(String, String)>>,
-    )> = (files.into_iter())
+    let specs: Vec<Collected> = (files.into_iter())
         .map(|(dict, path, metadata)| (collect(dict), path, metadata_vec(metadata)))
         .collect();
     let mut out = (specs.iter())
@@ -184,6 +195,118 @@ pub fn serialize_files(
     let options = WriteOptions::new(fsync, hash);
     let digests = detached(py, |_| write_files(&mut out, &options))?;
     Ok(hash.then(|| digests.iter().map(ToString::to_string).collect()))
+}
+
+/// One file of a staged save: its tensors as `(name, dtype, shape, nbytes)`, its path, metadata.
+type StagedFile = (
+    Vec<(String, String, Vec<usize>, usize)>,
+    PathBuf,
+    Option<HashMap<String, String>>,
+);
+
+/// A save whose bytes arrive in pieces (a device's tensors staged through host buffers): the
+/// files are made and their headers written at construction; `write` puts staged bytes at their
+/// offsets (each file's in order when hashed); `finish` syncs, renames and returns the digests;
+/// `abort` (or the object's end) removes the temporaries.
+#[pyclass(frozen, module = "safeload._safeload")]
+pub struct Writer {
+    session: std::sync::Mutex<Option<Session>>,
+    offsets: Vec<Vec<(String, u64)>>,
+}
+
+#[pymethods]
+impl Writer {
+    #[new]
+    #[pyo3(signature = (files, *, fsync=false, hash=false))]
+    fn new(py: Python<'_>, files: Vec<StagedFile>, fsync: bool, hash: bool) -> PyResult<Self> {
+        let mut layouts = Vec::with_capacity(files.len());
+        for (tensors, path, metadata) in files {
+            let tensors = (tensors.into_iter())
+                .map(|(name, dtype, shape, nbytes)| {
+                    if name == "__metadata__" {
+                        return Err(metadata_name());
+                    }
+                    let spec = TensorSpec::new(&dtype, shape, 0, nbytes)?;
+                    Ok(TensorLayout {
+                        name,
+                        dtype: spec.dtype,
+                        shape: spec.shape,
+                        len: nbytes,
+                    })
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            layouts.push((path, tensors, metadata_vec(metadata)));
+        }
+        let options = WriteOptions::new(fsync, hash);
+        let (session, offsets) = detached(py, |_| Session::start(layouts, options))?;
+        Ok(Writer {
+            session: std::sync::Mutex::new(Some(session)),
+            offsets,
+        })
+    }
+
+    /// Each file's tensors in file order, with the offset in the file where each one's bytes go.
+    #[getter]
+    fn offsets(&self) -> Vec<Vec<(String, u64)>> {
+        self.offsets.clone()
+    }
+
+    /// Writes `data_len` bytes at address `data_ptr` (memory the caller keeps alive and unchanged
+    /// during the call) to `offset` of file `file`, the GIL released.
+    fn write(
+        &self,
+        py: Python<'_>,
+        file: usize,
+        offset: u64,
+        data_ptr: u64,
+        data_len: usize,
+    ) -> PyResult<()> {
+        let mut guard = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        let session = guard.as_mut().ok_or_else(finished)?;
+        let bytes: &[u8] = if data_len == 0 {
+            &[]
+        } else {
+            // SAFETY: as TensorSpec's contract: the caller passes live memory of this length and
+            // keeps it alive and unchanged until the call returns.
+            unsafe { std::slice::from_raw_parts(data_ptr as usize as *const u8, data_len) }
+        };
+        detached(py, |_| session.write(file, offset, bytes))
+    }
+
+    /// Every file synced (when asked) and renamed into place; their SHA-256 (hex) when hashed.
+    fn finish(&self, py: Python<'_>) -> PyResult<Option<Vec<String>>> {
+        let session = (self
+            .session
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take())
+        .ok_or_else(finished)?;
+        let hashed = session.hashed();
+        let digests = detached(py, |_| session.finish())?;
+        Ok(hashed.then(|| digests.iter().map(ToString::to_string).collect()))
+    }
+
+    /// Gives up: the temporary files are removed, the targets untouched.
+    fn abort(&self) {
+        drop(
+            self.session
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
+    }
+}
+
+fn finished() -> PyErr {
+    PyErr::from(Error::Serialize(
+        "Error while serializing: this save has already finished".into(),
+    ))
+}
+
+fn metadata_name() -> PyErr {
+    PyErr::from(Error::Serialize(
+        "Error while serializing: a tensor cannot be named `__metadata__` (the header's metadata key)".into(),
+    ))
 }
 
 /// Parses a whole file held in memory: [(name, {"dtype", "shape", "data"})] in file order.

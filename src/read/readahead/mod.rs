@@ -541,7 +541,7 @@ mod tests {
             })
             .collect();
         let shapes: Vec<Vec<usize>> = tensors.iter().map(|(_, b)| vec![b.len()]).collect();
-        let mut specs: Vec<serialize::TensorIn<'_>> = tensors
+        let specs: Vec<serialize::TensorIn<'_>> = tensors
             .iter()
             .zip(&shapes)
             .map(|((name, data), shape)| serialize::TensorIn {
@@ -551,7 +551,7 @@ mod tests {
                 data,
             })
             .collect();
-        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &specs, None, false).unwrap();
         (path, tensors)
     }
 

@@ -208,7 +208,7 @@ mod tests {
             .collect();
         let data = vec![7u8; 64];
         let (f32_shape, u8_shape) = ([16usize], [64usize]);
-        let mut specs: Vec<serialize::TensorIn<'_>> = (names.iter())
+        let specs: Vec<serialize::TensorIn<'_>> = (names.iter())
             .map(|name| {
                 let f32 = name.ends_with("f32");
                 serialize::TensorIn {
@@ -219,7 +219,7 @@ mod tests {
                 }
             })
             .collect();
-        crate::storage::write::to_file(&path, &mut specs, None, false).unwrap();
+        crate::storage::write::to_file(&path, &specs, None, false).unwrap();
         let source = open(&path);
         let file: Vec<&str> = (source.header.tensors.iter())
             .map(|t| t.name.as_str())

@@ -183,7 +183,7 @@ mod tests {
                     .collect()
             })
             .collect();
-        let mut tensors: Vec<TensorIn<'_>> = (shapes.iter().zip(&data))
+        let tensors: Vec<TensorIn<'_>> = (shapes.iter().zip(&data))
             .map(|((name, dtype, shape), data)| TensorIn {
                 name,
                 dtype: *dtype,
@@ -191,7 +191,7 @@ mod tests {
                 data,
             })
             .collect();
-        to_file(path, &mut tensors, None, false).unwrap();
+        to_file(path, &tensors, None, false).unwrap();
         std::fs::read(path).unwrap()
     }
 
@@ -340,7 +340,7 @@ mod tests {
             paths.push(path);
         }
         let header_only = dir.join("empty.safetensors");
-        to_file(&header_only, &mut [], None, false).unwrap();
+        to_file(&header_only, &[], None, false).unwrap();
         want.push(Digest::of(&std::fs::read(&header_only).unwrap()));
         paths.push(header_only);
         let store: &crate::storage::remote::Options = &[];

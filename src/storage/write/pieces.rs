@@ -76,7 +76,7 @@ mod tests {
     fn large_runs_are_split_and_small_ones_gathered() {
         let big = vec![0u8; PIECE + 5];
         let small = vec![1u8; 1000];
-        let header = vec![2u8; 64];
+        let header = [2u8; 64];
         let mut out = Vec::new();
         cut(3, [&header[..], &small, &big, &small, &small], &mut out);
         assert_eq!(
