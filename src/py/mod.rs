@@ -119,7 +119,7 @@ fn _safeload(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "DEFAULT_CHUNK_BYTES",
         crate::read::plan::DEFAULT_CHUNK_BYTES,
     )?;
-    m.add("DEFAULT_THREADS", crate::read::engine::default_threads())?;
+    m.add("DEFAULT_THREADS", crate::read::strategy::default_threads())?;
     m.add("DTYPES", dtypes(m.py())?)?;
     m.add("STAGING_RING_ENV", crate::read::staging::RING_ENV)?;
     m.add("BACKENDS", Backend::ALL.map(|(name, _)| name))?;

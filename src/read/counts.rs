@@ -21,13 +21,9 @@ pub struct ReadCounts {
 }
 
 impl ReadCounts {
-    /// The strategy a read asked to use `asked` ran with: pread where uncached reads were
-    /// refused.
+    /// The strategy a read asked to use `asked` ran with (`strategy::ran_with`).
     pub fn ran_with(&self, asked: Strategy) -> Strategy {
-        match asked {
-            Strategy::Direct if self.direct_refused => Strategy::Pread,
-            asked => asked,
-        }
+        crate::read::strategy::ran_with(asked, self.direct_refused)
     }
 
     /// Adds `other` in: bytes and seconds add up, the most workers either used.

@@ -22,12 +22,11 @@ use crate::read::buffer::Region;
 use crate::read::counts::ReadCounts;
 use crate::read::filehash::{Ordered, Raw, Slot};
 use crate::read::plan::{Chunk, ChunkPlan, Segment, Transform, distribute};
+use crate::read::strategy;
 use crate::storage::backing::{self, Backing, ended_early};
 
 /// How often the waiting thread calls `poll`.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
-/// Below this many bytes a plan of files is read on the calling thread.
-const INLINE_BYTES: u64 = 4 << 20;
 
 /// A file (or an object in a store) the plan reads from.
 pub struct Input<'a> {
@@ -46,11 +45,8 @@ pub struct Settings {
     pub threads: usize,
     /// Each worker opens its own descriptor (network filesystems serialise reads on one fd).
     pub own_fds: bool,
-}
-
-/// Worker count when the caller does not choose: one per core, at least 2, at most 8.
-pub fn default_threads() -> usize {
-    platform::cores().clamp(2, 8)
+    /// The read runs on the calling thread (the plan's rule: `strategy::runs_inline`).
+    pub inline: bool,
 }
 
 /// The files a worker reads: shared descriptors, or its own ones opened on first use.
@@ -348,20 +344,12 @@ pub fn execute(
         threads,
         direct_refused: direct_refused.load(Ordering::Relaxed),
     };
-    let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
-    // A request to a store may wait long (a stalled server): it always runs on a worker, while
-    // this thread polls and stops it (see `remote::object::wait`); a file's reads never wait long.
-    let remote = inputs.iter().any(|i| i.backing.may_wait_long());
-    let inline = !remote && (threads == 1 || plan.total_bytes() < INLINE_BYTES);
-    let hashes = claim_hashes(inputs, plan, if inline { 1 } else { threads }, !inline);
+    let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let inline = settings.inline;
+    let slots = inputs.iter().map(|i| i.hash);
+    let hashes = Ordered::claim_all(slots, plan, if inline { 1 } else { threads }, !inline);
     let hash_of = |chunk: usize| hashes[plan.chunks[chunk].file].as_ref();
-    // A file's hash takes a core of its own: the readers keep to the cores left (at least one).
-    let hashing = hashes.iter().flatten().count();
-    let threads = match hashing {
-        0 => threads,
-        n => threads.min(platform::cores().saturating_sub(n).max(1)),
-    };
+    let threads = strategy::readers_beside(threads, hashes.iter().flatten().count());
     if inline {
         let mut worker = Worker::new(inputs, false, &direct_refused, &stop);
         for i in 0..plan.chunks.len() {
@@ -415,20 +403,6 @@ pub fn execute(
         return Err(Error::Cancelled);
     }
     Ok(report(threads))
-}
-
-/// Each input's hash, taken for a read of `plan` by `workers` workers where it is asked for and
-/// started (given back to its source when dropped); `hasher`: each hashes on a thread of its own.
-fn claim_hashes<'s>(
-    inputs: &[Input<'s>],
-    plan: &ChunkPlan<'_>,
-    workers: usize,
-    hasher: bool,
-) -> Vec<Option<Ordered<'s>>> {
-    let claim = |(i, input): (usize, &Input<'s>)| {
-        (input.hash).and_then(|slot| Ordered::claim(slot, plan, i, workers, hasher))
-    };
-    inputs.iter().enumerate().map(claim).collect()
 }
 
 /// Waits until the `threads` workers have counted themselves in `finished`, calling `poll` every
@@ -532,6 +506,7 @@ mod tests {
         Settings {
             threads,
             own_fds: false,
+            inline: threads == 1,
         }
     }
 
@@ -568,8 +543,17 @@ mod tests {
                 direct: if use_direct { direct.as_ref() } else { None },
                 hash: None,
             }];
-            let report =
-                execute(&inputs, &plan, Settings { threads, own_fds }, &mut || false).unwrap();
+            let report = execute(
+                &inputs,
+                &plan,
+                Settings {
+                    threads,
+                    own_fds,
+                    inline: false,
+                },
+                &mut || false,
+            )
+            .unwrap();
             assert_eq!(report.bytes, data.len() as u64);
             drop(plan);
             let mut at = 0usize;

@@ -190,6 +190,20 @@ impl<'s> Ordered<'s> {
     /// file order as they come, until every chunk this read hashes is hashed, the read stops
     /// (`stop`), or the workers are done ([`Ordered::read_done`]) and the next chunk at the
     /// cursor will never come (a failed read).
+    /// Each input's hash (`slots`, in the plan's file order), taken for a read of `plan` by
+    /// `workers` workers where it is asked for and started (given back to its source when
+    /// dropped); `hasher`: each hashes on a thread of its own.
+    pub fn claim_all(
+        slots: impl Iterator<Item = Option<&'s Slot>>,
+        plan: &ChunkPlan<'_>,
+        workers: usize,
+        hasher: bool,
+    ) -> Vec<Option<Ordered<'s>>> {
+        (slots.enumerate())
+            .map(|(i, slot)| slot.and_then(|slot| Ordered::claim(slot, plan, i, workers, hasher)))
+            .collect()
+    }
+
     pub fn hash_in_order(&self, plan: &ChunkPlan<'_>, stop: &AtomicBool) {
         loop {
             let done = self.hashed.load(Ordering::Relaxed) >= self.to_hash;

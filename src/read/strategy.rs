@@ -215,10 +215,39 @@ fn for_purpose(
         },
         (strategy, _) => strategy,
     };
-    match strategy {
+    ran_with(strategy, direct_refused)
+}
+
+/// The strategy a read that asked for `asked` runs with: pread where uncached reads were refused.
+pub fn ran_with(asked: Strategy, direct_refused: bool) -> Strategy {
+    match asked {
         Strategy::Direct if direct_refused => Strategy::Pread,
-        strategy => strategy,
+        asked => asked,
     }
+}
+
+/// Below this many bytes a read of files runs on the calling thread.
+const INLINE_BYTES: u64 = 4 << 20;
+
+/// Whether a read of `bytes` by `threads` workers runs on the calling thread: small reads and
+/// one-worker reads do, never one from a source that may wait long (an object store, whose
+/// requests run on a worker while the caller polls for Ctrl-C and stops them).
+pub fn runs_inline(may_wait_long: bool, threads: usize, bytes: u64) -> bool {
+    !may_wait_long && (threads == 1 || bytes < INLINE_BYTES)
+}
+
+/// Readers of a read that also hashes `hashing` files, each on a thread of its own: a hash takes
+/// a core, the readers keep to the cores left (at least one).
+pub fn readers_beside(threads: usize, hashing: usize) -> usize {
+    match hashing {
+        0 => threads,
+        n => threads.min(platform::cores().saturating_sub(n).max(1)),
+    }
+}
+
+/// Worker count when the caller does not choose: one per core, at least 2, at most 8.
+pub fn default_threads() -> usize {
+    platform::cores().clamp(2, 8)
 }
 
 /// Where read-ahead puts the bytes.

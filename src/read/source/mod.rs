@@ -359,7 +359,10 @@ fn execute(
     let inputs: Vec<Input<'_>> = (sources.iter().zip(strategies))
         .map(|(s, strategy)| s.input(*strategy, opts))
         .collect();
-    let mut report = engine::execute(&inputs, plan, settings(sources, opts), poll)?;
+    let mut settings = settings(sources, opts);
+    let waits = sources.iter().any(|s| s.backing.may_wait_long());
+    settings.inline = strategy::runs_inline(waits, settings.threads, plan.total_bytes());
+    let mut report = engine::execute(&inputs, plan, settings, poll)?;
     report.direct_refused |= (inputs.iter().zip(strategies))
         .any(|(i, strategy)| *strategy == Strategy::Direct && i.direct.is_none());
     if opts.drop_cache {
@@ -374,7 +377,7 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
     let network = sources
         .iter()
         .find(|s| matches!(s.kind, FsKind::Network(_)));
-    let cores = engine::default_threads();
+    let cores = strategy::default_threads();
     Settings {
         threads: opts.threads.unwrap_or_else(|| {
             if let Some((threads, _)) = sources.iter().find_map(|s| s.backing.defaults()) {
@@ -387,5 +390,6 @@ fn settings(sources: &[&Source], opts: &ReadOptions) -> Settings {
             strategy::threads_for(kind, cores, in_flight)
         }),
         own_fds: network.is_some() || !platform::PARALLEL_READS_SHARE_HANDLE,
+        inline: false,
     }
 }
