@@ -227,16 +227,10 @@ impl Checkpoint {
             .collect();
         let mut read = Vec::new().into_iter();
         if !straight.is_empty() {
-            for &s in &direct {
-                if self.pins.pinned(s) {
-                    self.shards[s].start_hash();
-                }
-            }
             let purpose = self.purpose_of(&straight, dtype);
-            let out = self.read_whole(&straight, purpose, dtype, poll, done)?;
-            for &s in &direct {
-                self.check_shard(s)?;
-            }
+            let out = self.hashed_and_checked(&direct, || {
+                self.read_whole(&straight, purpose, dtype, poll, done)
+            })?;
             read = out.into_iter();
         }
         let mut out = Vec::with_capacity(selection.len());
@@ -397,15 +391,33 @@ impl Checkpoint {
             return Ok(());
         }
         let source = &self.shards[shard];
-        source.start_hash();
         let all: Vec<Entry<'_>> = source.header.tensors.iter().map(|t| (shard, t)).collect();
-        let out = self.read_whole(&all, Purpose::Views, None, poll, done)?;
-        self.check_shard(shard)?;
+        let out = self.hashed_and_checked(&[shard], || {
+            self.read_whole(&all, Purpose::Views, None, poll, done)
+        })?;
         let slots = held.get_or_insert_with(|| vec![None; all.len()]);
         for (slot, (bytes, _)) in slots.iter_mut().zip(out) {
             slot.get_or_insert(bytes);
         }
         Ok(())
+    }
+
+    /// The one place a pinned read hashes: starts the SHA-256 of each of `shards` that is pinned,
+    /// runs `read` (whose reads feed those hashes, every byte once, in file order), then checks
+    /// each against its pin. What `read` returned is given back only when every check passed.
+    fn hashed_and_checked<T>(
+        &self,
+        shards: &[usize],
+        read: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        for &s in shards.iter().filter(|&&s| self.pins.pinned(s)) {
+            self.shards[s].start_hash();
+        }
+        let out = read()?;
+        for &s in shards {
+            self.check_shard(s)?;
+        }
+        Ok(out)
     }
 
     /// Compares pinned shard `shard`'s digest with what its reads hashed and counts it.
