@@ -31,7 +31,7 @@ pub(crate) mod record;
 pub(crate) mod stream;
 pub(crate) mod verify;
 
-pub use pinned::Verified;
+pub use verify::Verified;
 
 /// What one read did: the strategy that ran (the backend asked for, resolved), its workers and
 /// request size, the bytes it moved.

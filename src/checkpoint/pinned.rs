@@ -18,7 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use super::{Checkpoint, Entry, Opening};
 use crate::checkpoint::record::Record;
-use crate::checkpoint::verify::{self, Expected, Pin};
+use crate::checkpoint::verify::{self, Expected, Pin, Verified};
 use crate::error::{Error, Result};
 use crate::format::digest::Digest;
 use crate::format::dtype::Dtype;
@@ -29,17 +29,6 @@ use crate::read::buffer::TensorBytes;
 use crate::read::counts::ReadCounts;
 use crate::read::source::{self, ReadOptions, Target, Tensors};
 use crate::read::strategy::Purpose;
-
-/// What verification did so far: files whose digest matched and their bytes, files the verified
-/// record vouched for (unchanged since they last matched: not hashed), files loaded unverified
-/// (no digest known, under a lenient [`Pin::Known`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Verified {
-    pub files: usize,
-    pub bytes: u64,
-    pub recorded: usize,
-    pub unverified: usize,
-}
 
 /// The pins of a checkpoint's shards and the bytes held for them.
 #[derive(Default)]

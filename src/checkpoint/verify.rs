@@ -10,6 +10,17 @@ use crate::error::{Error, Result};
 use crate::format::digest::{Digest, parse_manifest};
 use crate::storage::{self, place::INDEX_BYTES, remote::Options};
 
+/// What verification did so far: files whose digest matched and their bytes, files the verified
+/// record vouched for (unchanged since they last matched: not hashed), files loaded unverified
+/// (no digest known, under a lenient [`Pin::Known`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Verified {
+    pub files: usize,
+    pub bytes: u64,
+    pub recorded: usize,
+    pub unverified: usize,
+}
+
 /// What the caller asked to check the files against.
 #[derive(Debug, Clone)]
 pub enum Pin {
