@@ -81,6 +81,27 @@ def test_save_file_manifest_is_the_digest_of_the_file(tmp_path):
     assert (tmp_path / "SHA256SUMS").read_text() == f"{sha256(tmp_path / 'a.safetensors')}  a.safetensors\n"
 
 
+def test_a_file_written_again_without_its_digest_leaves_no_stale_line(tmp_path):
+    """A manifest never names bytes that are gone: saving over a listed file without
+    ``manifest`` drops its line (so ``sha256sum -c`` still passes); without a manifest already
+    there, none is made."""
+    safeload.torch.save_file({"a": torch.ones(3)}, tmp_path / "a.safetensors", manifest=True)
+    safeload.torch.save_file({"b": torch.ones(3)}, tmp_path / "b.safetensors", manifest=True)
+    safeload.torch.save_file({"a": torch.zeros(3)}, tmp_path / "a.safetensors")
+    assert (tmp_path / "SHA256SUMS").read_text() == f"{sha256(tmp_path / 'b.safetensors')}  b.safetensors\n"
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    ckpt = tmp_path / "ckpt"
+    safeload.torch.save_checkpoint({"x": torch.ones(4), "y": torch.ones(4)}, ckpt, max_shard_size=20)
+    safeload.torch.save_checkpoint({"x": torch.zeros(4), "y": torch.zeros(4)}, ckpt, max_shard_size=20,
+                                   manifest=False)
+    assert (ckpt / "SHA256SUMS").read_text() == ""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    safeload.numpy.save_file({"c": np.ones(2)}, plain / "c.safetensors")
+    assert os.listdir(plain) == ["c.safetensors"]
+
+
 def test_save_checkpoint_split_and_index_as_huggingface_hub(tmp_path):
     from huggingface_hub import split_torch_state_dict_into_shards
 

@@ -124,11 +124,16 @@ class _quiet:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-def record_digests(directory: str, digests: Dict[str, str], fsync: bool = False) -> None:
+def record_digests(directory: str, digests: Dict[str, Optional[str]], fsync: bool = False) -> None:
     """``digests`` (file name -> hex) into ``directory``'s ``SHA256SUMS``: lines of files that are
-    gone are dropped, those of other files that are there kept, these replace their own."""
+    gone are dropped, those of other files that are there kept, these replace their own; a name
+    given None (a file written again without its digest) loses its line, so no manifest is left
+    naming bytes that are no longer there. Without a digest to record, a directory without a
+    ``SHA256SUMS`` is left without one."""
     path = os.path.join(directory, SUMS)
-    entries: Dict[str, str] = {}
+    entries: Dict[str, Optional[str]] = {}
+    if not os.path.isfile(path) and not any(digests.values()):
+        return
     if os.path.isfile(path):
         try:
             entries = {name: digest for name, digest in read_manifest(path)
@@ -136,7 +141,8 @@ def record_digests(directory: str, digests: Dict[str, str], fsync: bool = False)
         except SafetensorError:
             entries = {}
     entries.update(digests)
-    write_atomic(path, "".join(manifest_line(d, n) + "\n" for n, d in sorted(entries.items())), fsync)
+    lines = [manifest_line(d, n) + "\n" for n, d in sorted(entries.items()) if d is not None]
+    write_atomic(path, "".join(lines), fsync)
 
 
 def manifest_wanted() -> bool:
@@ -163,8 +169,7 @@ def save_file(write: Write, tensors: Dict[str, Any], filename: PathLike, metadat
     """One file; with ``manifest``, its digest (of the bytes written) into the ``SHA256SUMS`` beside it."""
     path = os.fspath(filename)
     digests = write([(tensors, path, metadata)], fsync, manifest)
-    if manifest and digests:
-        record_digests(os.path.dirname(path) or ".", {os.path.basename(path): digests[0]}, fsync)
+    record_digests(os.path.dirname(path) or ".", {os.path.basename(path): digests[0] if digests else None}, fsync)
 
 
 def save_checkpoint(write: Write, state_dict: Dict[str, Any], directory: PathLike,
@@ -184,8 +189,7 @@ def save_checkpoint(write: Write, state_dict: Dict[str, Any], directory: PathLik
     paths = [os.path.join(directory, name) for name in names]
     jobs = [({k: state_dict[k] for k in shard}, path, metadata) for shard, path in zip(shards, paths)]
     digests = write(jobs, fsync, manifest)
-    if manifest and digests is not None:
-        record_digests(directory, dict(zip(names, digests)), fsync)
+    record_digests(directory, dict(zip(names, digests or [None] * len(names))), fsync)
     if len(shards) > 1:
         weight_map = {k: name for shard, name in zip(shards, names) for k in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
