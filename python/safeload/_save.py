@@ -189,7 +189,8 @@ def save_checkpoint(write: Write, state_dict: Dict[str, Any], directory: PathLik
     paths = [os.path.join(directory, name) for name in names]
     jobs = [({k: state_dict[k] for k in shard}, path, metadata) for shard, path in zip(shards, paths)]
     digests = write(jobs, fsync, manifest)
-    record_digests(directory, dict(zip(names, digests or [None] * len(names))), fsync)
+    listed: List[Optional[str]] = list(digests) if digests else [None] * len(names)
+    record_digests(directory, dict(zip(names, listed)), fsync)
     if len(shards) > 1:
         weight_map = {k: name for shard, name in zip(shards, names) for k in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
