@@ -356,6 +356,19 @@ def test_staged_save_that_fails_leaves_nothing(tmp_path):
     assert read_bytes(path) == b"earlier" and os.listdir(tmp_path) == ["m.safetensors"]
 
 
+def test_staged_save_of_a_small_state_dict_takes_a_small_ring(tmp_path):
+    from safeload import _save
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+    from cpu_sink import CpuSink
+
+    sink = CpuSink(defer=True)
+    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int16)}
+    _save.write_staged([(tensors, str(tmp_path / "m.safetensors"), None)], sink, fsync=False, hash=False)
+    assert read_bytes(tmp_path / "m.safetensors") == st_torch.save(tensors)
+    assert [e for e in sink.log if e[0] == "staging"] == [("staging", 46)]  # one buffer, the data's size
+
+
 def test_staged_writer_refuses_bytes_out_of_order_and_an_unfinished_file(tmp_path):
     from safeload._safeload import Writer
 

@@ -237,7 +237,8 @@ def write_staged(files: List[Tuple[Dict[str, Any], str, Optional[Dict[str, str]]
                  for name, t in tensors.items()], path, metadata) for tensors, path, metadata in files]
     writer = Writer(layouts, fsync=fsync, hash=hash)
     fills = _fills(writer.offsets, [tensors for tensors, _, _ in files], staging_bytes)
-    ring = [sink.alloc_staging(staging_bytes) for _ in range(max(1, min(slots, len(fills))))]
+    largest = max((sum(src.numel() for _, src in parts) for _, _, parts in fills), default=1)
+    ring = [sink.alloc_staging(largest) for _ in range(max(1, min(slots, len(fills))))]  # small saves, small ring
     pending: List[Future] = []
     pool = ThreadPoolExecutor(1, thread_name_prefix="safeload-save")
     try:

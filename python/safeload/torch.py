@@ -47,6 +47,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 _TYPES: Dict[str, Any] = {code: getattr(torch, names[0]) for code, names in DTYPES.items()
                           if names[0] is not None and hasattr(torch, names[0])}
 _SIZE: Dict[Any, int] = {dtype: dtype.itemsize for dtype in _TYPES.values()}
+#: each dtype's name as TensorSpec takes it ("float32"), looked up once per tensor saved
+_NAMES: Dict[Any, str] = {dtype: str(dtype).split(".")[-1] for dtype in _TYPES.values()}
 
 
 def _getdtype(dtype_str: str) -> Any:
@@ -115,17 +117,15 @@ def _writer(tensors: Dict[str, torch.Tensor]) -> _save.Write:
 def _flatten_as_ptr(tensors: Dict[str, torch.Tensor], keep_alive: List[Any]) -> Dict[str, TensorSpec]:
     """TensorSpecs pointing at each tensor's CPU bytes; ``keep_alive`` holds what they point at."""
     specs = {}
+    cpu = torch.device("cpu")
     for name, tensor in _check_contiguous(tensors).items():
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
+        if tensor.device != cpu:
+            tensor = tensor.to(cpu)
         keep_alive.append(tensor)
-        nbytes = tensor.nelement() * _SIZE[tensor.dtype]
-        specs[name] = TensorSpec(
-            dtype=str(tensor.dtype).split(".")[-1],
-            shape=tensor.shape,
-            data_ptr=tensor.data_ptr() if nbytes else 0,
-            data_len=nbytes,
-        )
+        dtype = tensor.dtype
+        nbytes = tensor.nelement() * _SIZE[dtype]
+        specs[name] = TensorSpec(dtype=_NAMES[dtype], shape=tensor.shape, data_ptr=tensor.data_ptr() if nbytes else 0,
+                                 data_len=nbytes)
     return specs
 
 
