@@ -18,6 +18,7 @@ renames and the new manifest leaves an old ``SHA256SUMS`` that ``verify`` report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -91,8 +92,7 @@ def shard_names(count: int, pattern: str = FILENAME_PATTERN) -> List[str]:
     names = ([pattern.format(suffix="")] if count == 1 else
              [pattern.format(suffix=f"-{k + 1:05d}-of-{count:05d}") for k in range(count)])
     for name in names:
-        if (not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name)
-                or os.sep in name or (os.altsep and os.altsep in name)):
+        if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
             raise SafetensorError(
                 f"Error while serializing: the checkpoint file name {name!r} (from filename_pattern {pattern!r}) "
                 "is not a plain file name in the checkpoint's directory")
@@ -111,17 +111,9 @@ def write_atomic(path: str, text: str, fsync: bool) -> None:
                 os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
-        with _quiet():
+        with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 def record_digests(directory: str, digests: Dict[str, Optional[str]], fsync: bool = False) -> None:
@@ -209,7 +201,7 @@ def _remove_earlier(directory: str, names: List[str], pattern: str) -> None:
     if len(names) == 1:
         stale.append(pattern.format(suffix="") + ".index.json")
     for name in stale:
-        with _quiet():
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(directory, name))
 
 

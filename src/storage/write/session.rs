@@ -29,6 +29,8 @@ pub struct Session {
     written: Vec<u64>,
     hashes: Option<Vec<Sha256>>,
     options: WriteOptions,
+    /// Threads writing each file, by its filesystem (asked once, at the start).
+    threads: Vec<usize>,
 }
 
 /// Where each tensor of a file goes: `(name, offset in the file)`, in file order.
@@ -62,8 +64,10 @@ impl Session {
         }
         let temps =
             Temporaries::create(paths.iter().map(PathBuf::as_path).zip(lens.iter().copied()))?;
+        let mut threads = Vec::with_capacity(paths.len());
         for ((path, head), file) in paths.iter().zip(&heads).zip(temps.handles()) {
             platform::write_all_at(file, head, 0).map_err(|e| write_error(path, e))?;
+            threads.push(options.per_file(platform::fs_kind(file, path)));
         }
         let hashes = options.hash.then(|| {
             (heads.iter())
@@ -83,6 +87,7 @@ impl Session {
             starts,
             hashes,
             options,
+            threads,
         };
         Ok((session, offsets))
     }
@@ -112,7 +117,7 @@ impl Session {
         let handle = self.temps.handles()[file];
         let mut all = Vec::new();
         pieces::cut(file, [bytes], &mut all);
-        let threads = self.options.per_file(platform::fs_kind(handle, path));
+        let threads = self.threads[file];
         let hash = self.hashes.as_mut().map(|h| &mut h[file]);
         write_pieces(handle, path, offset, &all, hash, bytes, threads)?;
         self.written[file] += bytes.len() as u64;
