@@ -240,11 +240,21 @@ CHILD = textwrap.dedent(r"""
     elif stop_at == "index":      # shards and SHA256SUMS written, the index not yet
         real = safeload._save.write_atomic
         safeload._save.write_atomic = lambda p, *a: kill() if p.endswith(".json") else real(p, *a)
-    elif stop_at in ("writing", "ctrl-c"):  # while the shards are being written
+    elif stop_at == "writing":  # the third buffer of the shards' bytes: headers and two written
+        sys.path.insert(0, sys.argv[5])
+        from cpu_sink import CpuSink
+        class Killing(CpuSink):
+            def copy_fill(self, index, pairs):
+                if index == 2:
+                    kill()
+                super().copy_fill(index, pairs)
+        safeload.torch._writer = lambda _: lambda files, fsync, hash: safeload._save.write_staged(
+            files, Killing(), fsync=fsync, hash=hash, staging_bytes=4 << 20)
+    elif stop_at == "ctrl-c":  # once the writer has made its files (or, by chance, after the save)
         def watch():
             while not any(n.endswith(".tmp") for n in os.listdir(directory)):
                 time.sleep(0.001)
-            os.kill(os.getpid(), signal.SIGKILL if stop_at == "writing" else signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
         threading.Thread(target=watch, daemon=True).start()
     try:
         safeload.torch.save_checkpoint(sd, directory, max_shard_size="20MB", fsync=stop_at == "ctrl-c")
@@ -257,7 +267,8 @@ CHILD = textwrap.dedent(r"""
 
 def _child(directory, stop_at: str, seed: int, tensors: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, SAFELOAD_WRITE_THREADS="1")
-    return subprocess.run([sys.executable, "-c", CHILD, str(directory), stop_at, str(seed), str(tensors)],
+    return subprocess.run([sys.executable, "-c", CHILD, str(directory), stop_at, str(seed), str(tensors),
+                           os.path.join(REPO, "tests", "support")],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -281,7 +292,9 @@ def test_a_killed_save_leaves_the_earlier_checkpoint_loadable(tmp_path, stop_at)
     killed = _child(tmp_path, stop_at, seed=2, tensors=6)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert _loads_as(tmp_path, seed=1, tensors=4)
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path)) or stop_at == "writing"
+    # killed inside the writer, its temporaries are all that is left of the new save
+    temporaries = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert len(temporaries) == (3 if stop_at == "writing" else 0), temporaries
 
 
 def test_same_names_killed_between_renames_and_manifest_is_caught_by_verify(tmp_path):
