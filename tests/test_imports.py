@@ -1,7 +1,8 @@
 """Neither the Python package nor the Rust crate has an import circle, file against file. Python
 imports made inside functions count too (a lazy import hides a circle from Python, not from a
-reader); in the crate, a file uses another when it names it by a ``crate::``, ``super::`` or
-``self::`` path (groups in braces included), test modules and comments left out. Each layer of
+reader); in the crate, a file uses another when it names it by a ``crate::``, ``super::``,
+``self::`` or bare child-module path (groups in braces included, re-exports followed to the file a
+name comes from), test modules and comments left out (see ``crate_graph``). Each layer of
 ``src/`` uses only the layers beneath it."""
 
 from __future__ import annotations
@@ -77,9 +78,15 @@ def _code(text: str) -> str:
 #: them all.
 LAYERS = ["format", "storage", "read", "checkpoint", "py"]
 
-#: A use of another module: ``crate::a::b``, ``super::b`` (``super::super::``), ``self::b``, with
-#: an optional group ``::{x, y::z}`` (one level of nested braces inside it).
-_USE = re.compile(r"\b(crate|super(?:::super)*|self)((?:::\w+)*)(?:::\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\})?")
+#: A path into another module: ``crate::a::b``, ``super::b`` (``super::super::``), ``self::b``, or
+#: a bare ``child::b`` (``child`` a module the file declares), with an optional group
+#: ``::{x, y::z}`` (one level of nested braces inside it).
+_USE = re.compile(r"(?<![:\w])(crate|super(?:::super)*|self|\w+)((?:::\w+)*)(?:::\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\})?")
+#: A module the file declares (``mod x;``, ``pub(crate) mod x;``), and a re-export.
+_MOD = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", re.M)
+_REEXPORT = re.compile(r"^\s*pub(?:\([^)]*\))?\s+use\s+([^;]*);", re.M)
+#: ``platform/mod.rs`` declares ``mod os;`` with a ``#[path]`` per platform: ``os::`` names each.
+_PATHED = {"platform::os": ["platform::linux", "platform::macos", "platform::windows"]}
 
 
 def _module(path: pathlib.Path) -> str:
@@ -91,37 +98,78 @@ def _module(path: pathlib.Path) -> str:
     return "::".join(parts)
 
 
+def _paths(node: str, text: str, children: Set[str]) -> List[List[str]]:
+    """Every module path in ``text`` (code of module ``node``, which declares the modules
+    ``children``), from the crate's root: each ``crate::``, ``super::``, ``self::`` or bare child
+    path, a group in braces as one per item."""
+    here = node.split("::")
+    found: List[List[str]] = []
+    for head, tail, group in _USE.findall(text):
+        if not tail and not group:
+            continue
+        if head == "crate":
+            base: List[str] = []
+        elif head == "self":
+            base = here
+        elif head.startswith("super"):
+            base = here[: max(0, len(here) - head.count("super"))]
+        elif head in children:
+            base = here + [head]
+        else:
+            continue  # a local name, a type, an external crate
+        prefix = base + [s for s in tail.split("::") if s]
+        if not group:
+            found.append(prefix)
+            continue
+        for item in group.split(","):
+            segments = [s.strip() for s in item.split("{")[0].split("::")]
+            if item.strip():
+                found.append(prefix + [s.split(" as ")[0].strip() for s in segments if s and s != "self"])
+    return found
+
+
 def crate_graph() -> Dict[str, Set[str]]:
     """Every file of the crate (as its module) and the files it uses, as a reader sees them: each
-    ``crate::``, ``super::`` or ``self::`` path (groups in braces included) names the file of its
-    longest prefix that is one (``crate::storage::remote::Object`` names ``storage/remote/mod.rs``;
-    ``super::config::is_true`` in ``storage/remote/tls.rs`` names ``storage/remote/config.rs``).
-    ``lib.rs`` is left out (it declares the modules)."""
+    path names the file of its longest prefix that is one (``crate::storage::remote::Object``
+    names ``storage/remote/mod.rs``; ``super::config::is_true`` in ``storage/remote/tls.rs`` names
+    ``storage/remote/config.rs``; ``pieces::cut`` in ``storage/write/mod.rs``, which declares
+    ``mod pieces;``, names ``storage/write/pieces.rs``). A ``pub use`` is its folder's table of
+    contents: a name it re-exports names the file the name comes from (``super::Session`` in a
+    child of ``storage/write/mod.rs`` names ``storage/write/session.rs``), and the re-export is not
+    itself a use. One type's ``impl`` split across a folder's files is one type: method calls are
+    not paths. ``lib.rs`` is left out (it declares the modules)."""
     files = {_module(p): p for p in CRATE.rglob("*.rs")}
     files.pop("lib", None)
+    codes = {node: _code(path.read_text()) for node, path in files.items()}
+
+    def resolve(segments: List[str]) -> tuple:
+        """The file a path names, and the rest of the path inside it."""
+        for k in range(len(segments), 0, -1):
+            name = "::".join(segments[:k])
+            if name in files or name in _PATHED:
+                return name, segments[k:]
+        return None, []
+
+    exported: Dict[str, Dict[str, List[str]]] = {}
+    for node, code in codes.items():
+        exported[node] = {}
+        for clause in _REEXPORT.findall(code):
+            for segments in _paths(node, clause, set(_MOD.findall(code))):
+                exported[node][segments[-1]] = segments
+
+    def targets(segments: List[str]) -> List[str]:
+        name, rest = resolve(segments)
+        for _ in range(8):  # follow re-exports (a chain is short; a loop is not followed for ever)
+            if name is None or not rest or rest[0] not in exported.get(name, {}):
+                break
+            name, rest = resolve(exported[name][rest[0]] + rest[1:])
+        return _PATHED.get(name, [name]) if name else []
+
     edges: Dict[str, Set[str]] = {}
-    for node, path in files.items():
-        here = node.split("::")
-        used: Set[str] = set()
-        for head, tail, group in _USE.findall(_code(path.read_text())):
-            if head == "crate":
-                base: List[str] = []
-            elif head == "self":
-                base = here
-            else:
-                base = here[: max(0, len(here) - head.count("super"))]
-            prefix = base + [s for s in tail.split("::") if s]
-            paths = [prefix]
-            if group:
-                paths = [prefix + [s for s in item.split("{")[0].split("::") if s.strip() and s.strip() != "self"]
-                         for item in group.split(",") if item.strip()]
-            for segments in paths:
-                segments = [s.strip() for s in segments]
-                for k in range(len(segments), 0, -1):
-                    if "::".join(segments[:k]) in files:
-                        used.add("::".join(segments[:k]))
-                        break
-        edges[node] = used - {node}
+    for node, code in codes.items():
+        body = _REEXPORT.sub("", code)
+        children = set(_MOD.findall(code))
+        edges[node] = {t for segments in _paths(node, body, children) for t in targets(segments)} - {node}
     return edges
 
 
@@ -155,7 +203,13 @@ def test_the_crate_graph_sees_uses() -> None:
     assert "storage::place" in edges["storage::remote::listing"]
     # File against file: super:: paths and groups in braces count.
     assert {"storage::remote::config", "storage::remote::connector"} <= edges["storage::remote::store"]
-    assert "py::handle" in edges["py::handle::slices"]
+    assert "py::handle" in edges["py::handle::reads"]
+    # A bare path into a child module the file declares, and the files `os::` stands for.
+    assert "storage::write::pieces" in edges["storage::write"]
+    assert {"platform::linux", "platform::macos", "platform::windows"} <= edges["platform"]
+    # A re-exported name names the file it comes from; the re-export itself is no use.
+    assert "storage::write::session" not in edges["storage::write"]
+    assert "platform::kinds" in edges["storage::location"] and "platform" in edges["storage::location"]
 
 
 def test_the_crate_check_fails_on_a_circle(tmp_path, monkeypatch) -> None:
@@ -175,6 +229,27 @@ def test_the_crate_check_fails_on_a_circle(tmp_path, monkeypatch) -> None:
     edges = crate_graph()
     assert cycles(edges) == [["storage::remote::connector", "storage::remote::store", "storage::remote::connector"]]
     assert ("error", "storage") in [(a, b) for a, b in _upward(edges)]
+
+
+def test_the_crate_check_fails_on_a_circle_with_a_child(tmp_path, monkeypatch) -> None:
+    """A folder's front file that uses a child by a bare path (``pieces::cut``) while the child
+    uses what the front file defines (``super::WriteOptions``) is a circle; a child using a name
+    the front file only re-exports from a sibling is not."""
+    crate = tmp_path / "src"
+    (crate / "storage" / "write").mkdir(parents=True)
+    (crate / "lib.rs").write_text("mod storage;\n")
+    (crate / "storage" / "mod.rs").write_text("pub mod write;\n")
+    write = crate / "storage" / "write"
+    (write / "mod.rs").write_text(
+        "mod pieces;\nmod session;\npub use session::Session;\n"
+        "pub struct WriteOptions;\npub fn write() { pieces::cut(); }\n")
+    (write / "session.rs").write_text("pub struct Session;\n")
+    (write / "pieces.rs").write_text("use super::Session;\npub fn cut() {}\n")
+    monkeypatch.setattr(sys.modules[__name__], "CRATE", crate)
+    assert cycles(crate_graph()) == []
+    assert crate_graph()["storage::write::pieces"] == {"storage::write::session"}
+    (write / "pieces.rs").write_text("use super::{Session, WriteOptions};\npub fn cut() {}\n")
+    assert cycles(crate_graph()) == [["storage::write", "storage::write::pieces", "storage::write"]]
 
 
 #: The one module beneath the layers that names some of theirs: the error type wraps the header's

@@ -106,3 +106,29 @@ def test_readme_links_every_docs_page():
 def test_readme_is_short():
     lines = README.read_text(encoding="utf-8").count("\n")
     assert lines < README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
+
+
+def _layout_files():
+    """The files docs/layout.md's tree names, as paths from the repository's root (a folder's
+    entries are indented beneath it)."""
+    listed, folders = set(), []
+    for line in (ROOT / "docs" / "layout.md").read_text(encoding="utf-8").splitlines():
+        found = re.match(r"^( *)([\w.\-/]+)(?:\s|$)", line)
+        if not found or not re.search(r"\w", found.group(2)):
+            continue
+        indent, name = len(found.group(1)), found.group(2)
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        path = "".join(f for _, f in folders) + name
+        if name.endswith("/"):
+            folders.append((indent, name))
+        listed.add(path)
+    return listed
+
+
+def test_layout_lists_every_source_file():
+    listed = _layout_files()
+    sources = [p for folder in ("src", "python/safeload") for p in (ROOT / folder).rglob("*")
+               if p.suffix in (".rs", ".py", ".pyi") and "__pycache__" not in p.parts]
+    assert sources and "src/read/engine.rs" in listed
+    assert sorted(_name(p) for p in sources if _name(p) not in listed) == []

@@ -26,6 +26,7 @@ use crate::read::strategy::{self, Backend, Known, Mode, Plan, Purpose, Strategy}
 
 pub(crate) mod files;
 mod pinned;
+mod pins;
 pub(crate) mod ranks;
 pub(crate) mod record;
 pub(crate) mod stream;
@@ -84,7 +85,7 @@ pub struct Checkpoint {
     totals: Arc<SharedTotals>,
     /// What each shard must hash to and the bytes held for them (`verify=`:
     /// [`Checkpoint::expect`]); empty when unpinned.
-    pins: pinned::Pins,
+    pins: pins::Pins,
 }
 
 impl Checkpoint {
@@ -165,7 +166,7 @@ impl Checkpoint {
             resolved: paths.iter().map(|_| OnceLock::new()).collect(),
             direct_refused: AtomicBool::new(false),
             totals: Arc::default(),
-            pins: pinned::Pins::default(),
+            pins: pins::Pins::default(),
         })
     }
 

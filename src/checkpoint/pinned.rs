@@ -14,8 +14,9 @@
 //!   shard is read and hashed again, so the bytes returned are always bytes that were hashed.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
+use super::pins::{Held, Pins};
 use super::{Checkpoint, Entry, Opening};
 use crate::checkpoint::record::Record;
 use crate::checkpoint::verify::{self, Expected, Pin, Verified};
@@ -24,40 +25,10 @@ use crate::format::digest::Digest;
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
 use crate::format::slice::SlicePlan;
-use crate::platform::FileIdentity;
 use crate::read::buffer::TensorBytes;
 use crate::read::counts::ReadCounts;
 use crate::read::source::{self, ReadOptions, Target, Tensors};
 use crate::read::strategy::Purpose;
-
-/// The pins of a checkpoint's shards and the bytes held for them.
-#[derive(Default)]
-pub(super) struct Pins {
-    /// Per shard: its expected digest; None when the shard is not pinned.
-    expected: Vec<Option<Expected>>,
-    /// Per shard: its tensors (header order) read whole and hashed, None once handed out; None
-    /// when not held. The lock also keeps two reads from hashing one shard at once.
-    held: Vec<Mutex<Option<Vec<Option<TensorBytes>>>>>,
-    counts: Mutex<Verified>,
-    /// Per shard: the verified record vouches for it (see `crate::checkpoint::record`): read as unpinned.
-    recorded: Vec<bool>,
-    /// The record a matching shard is remembered in, and per shard the file's identity read
-    /// before its hash began (a file that changes meanwhile is not remembered).
-    record: Option<Record>,
-    before: Vec<Option<FileIdentity>>,
-}
-
-type Held<'a> = MutexGuard<'a, Option<Vec<Option<TensorBytes>>>>;
-
-impl Pins {
-    fn pinned(&self, shard: usize) -> bool {
-        self.expected.get(shard).is_some_and(Option::is_some) && !self.recorded[shard]
-    }
-
-    fn held(&self, shard: usize) -> Held<'_> {
-        self.held[shard].lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
 
 impl Checkpoint {
     /// [`Checkpoint::open_with`] of `paths` with what an open was given (`with`), pinned by its

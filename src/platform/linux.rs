@@ -7,12 +7,11 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use super::FsKind;
-use super::Uncached;
+use super::kinds::{FsKind, Uncached};
 
 pub use super::unix::{
     cached_fraction, file_identity, file_len, fork_generation, open_read, page_size, read_at,
-    read_vectored_at, special_kind, sync_dir, unmap_anonymous, write_all_at,
+    read_vectored_at, sync_dir, unmap_anonymous, write_all_at,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -41,6 +40,23 @@ fn accepts_unaligned(file: &File) -> bool {
     match read_at(file, &mut probe[1..], 1) {
         Ok(n) => n == 1,
         Err(_) => false,
+    }
+}
+
+pub fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(offset), Ok(len)) = (
+        libc::off64_t::try_from(offset),
+        libc::off64_t::try_from(len),
+    ) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
+    // SAFETY: a valid open descriptor; the call only queues the range's dirty pages for writing.
+    let done = unsafe {
+        libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
+    };
+    match done {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
     }
 }
 
@@ -230,7 +246,7 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
 pub fn populate_mapped(ptr: NonNull<u8>, len: usize) -> bool {
     // MADV_POPULATE_READ (Linux 5.14): read faults on every page, reported as an error code
     // instead of a signal. The range is widened to whole pages.
-    let page = super::page_size();
+    let page = page_size();
     let start = ptr.as_ptr() as usize / page * page;
     let end = (ptr.as_ptr() as usize + len).next_multiple_of(page);
     // SAFETY: the range lies within a live mapping the caller holds; populating only reads.
@@ -247,7 +263,7 @@ pub fn prefault(ptr: *mut u8, len: usize) {
     // MADV_POPULATE_WRITE (Linux 5.14) over the whole pages inside the range: the page faults
     // a first write would take, in one call, without changing a byte; an older kernel (EINVAL)
     // or memory that cannot be populated leaves the faults to the writes.
-    let page = super::page_size();
+    let page = page_size();
     let start = (ptr as usize).next_multiple_of(page);
     let end = (ptr as usize + len) / page * page;
     if end > start {

@@ -9,12 +9,11 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use super::FsKind;
-use super::Uncached;
+use super::kinds::{FsKind, Uncached};
 
 pub use super::unix::{
     cached_fraction, file_identity, file_len, fork_generation, open_read, page_size, read_at,
-    read_vectored_at, special_kind, sync_dir, unmap_anonymous, write_all_at,
+    read_vectored_at, sync_dir, unmap_anonymous, write_all_at,
 };
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = true;
@@ -154,7 +153,7 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
 
 pub use super::elsewhere::{
     advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
-    prefault,
+    prefault, start_writeback,
 };
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! |---|---|---|---|
 //! | positional vectored read | `preadv` | `preadv` | `seek_read` per segment |
 //! | positional write, space reserved | `pwrite`, `posix_fallocate` | `pwrite`, `set_len` | `seek_write`, `set_len` |
+//! | a synced write's bytes sent early | `sync_file_range(SYNC_FILE_RANGE_WRITE)` | none | none |
 //! | a renamed file's entry made durable | `fsync` of the directory | `fsync` of the directory | none (NTFS journals it) |
 //! | uncached read handle | `O_DIRECT` (4 KiB aligned) | `F_NOCACHE` (no alignment) | `FILE_FLAG_NO_BUFFERING` (4 KiB aligned) |
 //! | cache hints / drop | `posix_fadvise` | `F_RDADVISE`, `F_RDAHEAD` / none | none |
@@ -22,6 +23,7 @@ use std::ptr::NonNull;
 
 #[cfg(not(any(target_os = "linux", target_os = "android")))]
 mod elsewhere;
+mod kinds;
 #[cfg(unix)]
 mod unix;
 
@@ -30,56 +32,7 @@ mod unix;
 #[cfg_attr(windows, path = "windows.rs")]
 mod os;
 
-/// Where a file's bytes come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsKind {
-    /// A local block-device filesystem (ext4, xfs, btrfs, overlay ...).
-    Local,
-    /// Memory-backed (tmpfs, ramfs): already in RAM, O_DIRECT pointless or refused.
-    Memory,
-    /// Network or userspace: FUSE (hf-mount, s3fs, virtiofs ...), NFS, SMB, Lustre, CephFS, GPFS, 9p.
-    Network(&'static str),
-}
-
-impl FsKind {
-    /// The kind of filesystem `file` (opened from `path`) lives on.
-    pub fn of(file: &File, path: &Path) -> FsKind {
-        fs_kind(file, path)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            FsKind::Local => "local",
-            FsKind::Memory => "memory",
-            FsKind::Network(name) => name,
-        }
-    }
-}
-
-/// A second handle on a file that reads around the page cache.
-#[derive(Debug)]
-pub struct Uncached {
-    pub file: File,
-    /// Offsets, lengths and addresses of reads must be multiples of this (1: no rule).
-    pub align: u64,
-}
-
-/// Which file an open handle is and when it last changed, as the OS tells it from the handle
-/// (never a second lookup of a path): what [`crate::checkpoint::record`] trusts a file's bytes by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileIdentity {
-    /// The filesystem holding the file: Unix `st_dev`, Windows the volume serial number.
-    pub device: u64,
-    /// The file on that filesystem: Unix `st_ino`, Windows the 64-bit file index.
-    pub inode: u64,
-    pub size: u64,
-    /// Last write of the bytes, in ns since the Unix epoch; whoever may write the file can set it.
-    pub mtime_ns: i128,
-    /// Last change of the bytes or the attributes (Unix `st_ctime`, Windows `ChangeTime`), in ns
-    /// since the Unix epoch. Unix sets it from the kernel's clock only; Windows lets whoever may
-    /// write the file's attributes set it.
-    pub ctime_ns: i128,
-}
+pub use kinds::{FileIdentity, FsKind, Uncached};
 
 /// The identity of the file open as `file`.
 pub fn file_identity(file: &File) -> io::Result<FileIdentity> {
@@ -136,6 +89,12 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     os::preallocate(file, len)
 }
 
+/// Starts writing `len` bytes of `file` at `offset` to its disk without waiting for them
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)` on Linux; elsewhere nothing: the fsync writes them).
+pub fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    os::start_writeback(file, offset, len)
+}
+
 /// Makes the entries of directory `dir` durable (after a rename into it), where the OS needs it.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
     os::sync_dir(dir)
@@ -147,25 +106,6 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 /// file is checked after it is opened, so a path swapped between a check and the open is caught.
 pub fn open_regular(path: &Path) -> io::Result<File> {
     os::open_read(path, 0)
-}
-
-/// `Ok` when `file` (just opened without blocking) is a regular file; else the error naming what
-/// it is.
-fn regular(file: &File) -> io::Result<()> {
-    let kind = file.metadata()?.file_type();
-    if kind.is_file() {
-        return Ok(());
-    }
-    if kind.is_dir() {
-        return Err(io::Error::new(
-            io::ErrorKind::IsADirectory,
-            "Is a directory",
-        ));
-    }
-    Err(io::Error::new(
-        io::ErrorKind::InvalidInput,
-        format!("not a regular file: {}", os::special_kind(&kind)),
-    ))
 }
 
 /// Opens `path` for reads that bypass the page cache, or None where the OS or the filesystem

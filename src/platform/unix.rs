@@ -6,6 +6,8 @@ use std::io::{self, IoSliceMut};
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 
+use super::kinds::{self, FileIdentity};
+
 pub fn read_vectored_at(
     file: &File,
     bufs: &mut [IoSliceMut<'_>],
@@ -32,14 +34,14 @@ pub fn read_vectored_at(
 
 /// Opens `path` read-only with `flags`, without waiting (`O_NONBLOCK`: a FIFO's open returns at
 /// once instead of waiting for a writer), refuses what is not a regular file
-/// ([`super::regular`]), then reads block again.
+/// ([`kinds::regular`]), then reads block again.
 pub fn open_read(path: &std::path::Path, flags: libc::c_int) -> io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(flags | libc::O_NONBLOCK)
         .open(path)?;
-    super::regular(&file)?;
+    kinds::regular(&file, special_kind)?;
     let fd = file.as_raw_fd();
     // SAFETY: fcntl on a descriptor we own, with integer arguments.
     let cleared = unsafe {
@@ -114,11 +116,11 @@ pub fn file_len(file: &File) -> io::Result<u64> {
 }
 
 /// `fstat`'s device, inode, size, mtime and ctime.
-pub fn file_identity(file: &File) -> io::Result<super::FileIdentity> {
+pub fn file_identity(file: &File) -> io::Result<FileIdentity> {
     use std::os::unix::fs::MetadataExt;
     let meta = file.metadata()?;
     let ns = |secs: i64, nanos: i64| i128::from(secs) * 1_000_000_000 + i128::from(nanos);
-    Ok(super::FileIdentity {
+    Ok(FileIdentity {
         device: meta.dev(),
         inode: meta.ino(),
         size: meta.size(),

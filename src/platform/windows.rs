@@ -30,9 +30,7 @@ use windows_sys::Win32::System::SystemInformation::{
 use windows_sys::Win32::System::Threading::GetCurrentProcess;
 use windows_sys::Win32::System::WindowsProgramming::{DRIVE_RAMDISK, DRIVE_REMOTE};
 
-use super::FileIdentity;
-use super::FsKind;
-use super::Uncached;
+use super::kinds::{self, FileIdentity, FsKind, Uncached};
 
 pub const PARALLEL_READS_SHARE_HANDLE: bool = false;
 pub const MAP_IS_SAFE: bool = false;
@@ -98,13 +96,13 @@ pub fn sync_dir(_dir: &Path) -> io::Result<()> {
 }
 
 /// Opens `path` to read with the `flags` of `CreateFileW`, refusing what is not a regular file
-/// ([`super::regular`]): a device or a pipe (opening one does not wait on Windows).
+/// ([`kinds::regular`]): a device or a pipe (opening one does not wait on Windows).
 pub fn open_read(path: &Path, flags: u32) -> io::Result<File> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(flags)
         .open(path)?;
-    super::regular(&file)?;
+    kinds::regular(&file, special_kind)?;
     Ok(file)
 }
 
@@ -318,7 +316,7 @@ pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, _len: usize) {
 
 pub use super::elsewhere::{
     advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
-    prefault,
+    prefault, start_writeback,
 };
 
 #[cfg(test)]

@@ -93,7 +93,7 @@ impl Checkpoint {
     /// (None: no digest is known and it loads unverified, under `SAFELOAD_VERIFY=1`), URLs
     /// without their secrets, in order; empty when not pinned.
     fn pinned(&self) -> PyResult<Vec<(PathBuf, Option<String>)>> {
-        Ok(super::pinned(&*self.get()?))
+        Ok(super::digest::pinned(&*self.get()?))
     }
 
     /// The backend reads will use ("mmap", "pread" or "direct"; "auto" resolved).

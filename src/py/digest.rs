@@ -1,6 +1,7 @@
 //! Digests for Python: whole files hashed with the parallel reader (`safeload hash`), digests
 //! and `sha256sum` manifests read and written by the core's one parser and writer
-//! (`crate::format::digest`), and a checkpoint's shard files (what `hash` expands a directory to).
+//! (`crate::format::digest`), a checkpoint's shard files (what `hash` expands a directory to), and
+//! where each pinned shard's digest came from (`pinned()` of a checkpoint and of a handle).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -125,4 +126,14 @@ pub(super) fn checkpoint_files(
         (file.into_os_string(), name)
     };
     Ok(files.into_iter().map(named).collect())
+}
+
+/// Each shard of a pinned checkpoint with where its digest came from (None: loaded
+/// unverified), as `pinned()` of a checkpoint and of a handle give it to the log.
+pub(super) fn pinned(
+    ckpt: &crate::checkpoint::Checkpoint,
+) -> Vec<(std::path::PathBuf, Option<String>)> {
+    (ckpt.pinned().into_iter())
+        .map(|(path, from)| (crate::redact::shown(path), from))
+        .collect()
 }

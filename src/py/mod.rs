@@ -91,14 +91,6 @@ fn _forced_backend() -> Option<&'static str> {
     Backend::forced().map(Backend::name)
 }
 
-/// Each shard of a pinned checkpoint with where its digest came from (None: loaded
-/// unverified), as `pinned()` of a checkpoint and of a handle give it to the log.
-fn pinned(ckpt: &crate::checkpoint::Checkpoint) -> Vec<(std::path::PathBuf, Option<String>)> {
-    (ckpt.pinned().into_iter())
-        .map(|(path, from)| (crate::redact::shown(path), from))
-        .collect()
-}
-
 /// The one dtype table: format code -> (torch dtype name, numpy dtype name, whether that name
 /// is ml_dtypes' rather than numpy's, bits per element); None where the framework lacks it.
 fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {

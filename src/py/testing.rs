@@ -75,7 +75,7 @@ fn residency(path: PathBuf) -> PyResult<(Option<f64>, &'static str)> {
     let len = file.metadata().map_err(open_err)?.len();
     Ok((
         crate::read::strategy::cached_fraction(&file, 0, len),
-        crate::platform::FsKind::of(&file, &path).name(),
+        crate::platform::fs_kind(&file, &path).name(),
     ))
 }
 

@@ -68,7 +68,7 @@ pub fn open(at: &Path, options: &Options) -> Result<Opened> {
     let file = platform::open_regular(at).map_err(open_err)?;
     let len = file.metadata().map_err(open_err)?.len();
     Ok(Opened {
-        kind: FsKind::of(&file, at),
+        kind: platform::fs_kind(&file, at),
         backing: Backing::File(file),
         len,
         start: Vec::new(),

@@ -134,7 +134,7 @@ impl Handle {
     /// `(path, where its digest came from)` when `verify=` pinned the file (None: no digest is
     /// known and it loads unverified, under `SAFELOAD_VERIFY=1`); empty when not pinned.
     fn pinned(&self) -> PyResult<Vec<(PathBuf, Option<String>)>> {
-        Ok(super::pinned(&*self.ckpt()?))
+        Ok(super::digest::pinned(&*self.ckpt()?))
     }
 
     /// The backend reading this file: "mmap", "pread" or "direct": what the latest read that

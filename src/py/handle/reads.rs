@@ -1,17 +1,21 @@
-//! Whole tensors from a `Handle`: one as `get_tensor` gives it (read-ahead first), many read
+//! Tensors from a `Handle`: one whole as `get_tensor` gives it (read-ahead first), a part of one
+//! (`tensor[key]`: cut from the read-ahead's bytes, a view of the map, or read), many read
 //! together, and the data area straight into caller memory.
 
 use pyo3::prelude::*;
 
 use super::Handle;
+use super::slices::covers;
 use crate::checkpoint::{Checkpoint, Entry, ReadStats};
 use crate::format::dtype::Dtype;
 use crate::format::header::TensorInfo;
+use crate::format::slice;
 use crate::py::bytes::{Bytes, TensorTuple};
 use crate::py::dlpack::Destinations;
 use crate::py::errors::detached;
 use crate::py::stats::Stats;
 use crate::read::readahead::Mode;
+use crate::read::source::Part;
 
 impl Handle {
     /// Tensor `info` whole, as `get_tensor` gives it: from the read-ahead when it has read it,
@@ -78,6 +82,41 @@ impl Handle {
         let c: &Checkpoint = &ckpt;
         let stats = detached(py, |poll| c.read_ranges(self.shard, ranges, poll))?;
         Ok(Stats::from(stats))
+    }
+
+    /// `read_slice`: `plan` of tensor `info`, by the plan for parts: only the needed byte
+    /// ranges read, or the map's view (`views`: see `Checkpoint::read_slice`). A slice never
+    /// starts the read-ahead (a caller reading by slices, a tensor-parallel rank, asks for
+    /// exactly what it needs, whole tensors `[...]` included); one the read-ahead already holds
+    /// is cut from its bytes.
+    pub(super) fn read_part(
+        &self,
+        py: Python<'_>,
+        ckpt: &Checkpoint,
+        info: &TensorInfo,
+        plan: &slice::SlicePlan,
+        views: bool,
+    ) -> PyResult<Part> {
+        let held = match self.ahead.get() {
+            Some(Some(ahead)) if matches!(ahead.mode(), Mode::Owned(_)) => {
+                let index = ckpt.shards[self.shard]
+                    .header
+                    .index_of(&info.name)
+                    .expect("info comes from this header");
+                detached(py, |poll| ahead.take(index, false, poll))?
+            }
+            _ => None,
+        };
+        Ok(match held {
+            Some(whole) if covers(plan, info) => Part::Bytes(whole),
+            Some(whole) => Part::Bytes(crate::read::buffer::cut(plan, &whole)?),
+            None => {
+                detached(py, |poll| {
+                    ckpt.read_slice(self.shard, info, plan, views, poll)
+                })?
+                .0
+            }
+        })
     }
 }
 

@@ -88,6 +88,8 @@ const FIRST_WINDOW: u64 = 64 << 20;
 /// every batch running all of them, twice the handle's threads contend for the cores and the
 /// prefetch reads more slowly.
 const BATCH_WORKERS: usize = 2;
+/// Page-cache hints are given this many bytes at a time.
+const PREFETCH_BYTES: u64 = 16 << 20;
 /// How often a waiting caller polls for cancellation.
 const WAIT: Duration = Duration::from_millis(20);
 
@@ -152,7 +154,7 @@ struct Shared {
     eager: bool,
     /// Workers running now (none: every request reads on demand).
     running: AtomicUsize,
-    /// The most bytes one batch claims (see [`worker::batch_limit`]).
+    /// The most bytes one batch claims (see [`batch_limit`]).
     batch_limit: u64,
     /// Indices of `items` in the order of their names, made when a walk first needs it.
     name_order: OnceLock<Vec<usize>>,
@@ -265,7 +267,7 @@ impl ReadAhead {
             waiters: 0,
             room_waiters: 0,
         };
-        let batch_limit = worker::batch_limit(&source, mode, &opts);
+        let batch_limit = batch_limit(&source, mode, &opts);
         let opts = match mode {
             Mode::Owned(_) | Mode::Provided => {
                 let threads = source::threads(&[&*source], &opts);
@@ -511,6 +513,20 @@ impl Shared {
         }
         if state.room_waiters > 0 && self.worth_claiming(state) {
             self.room.notify_all();
+        }
+    }
+}
+
+/// The most bytes one batch claims: one populate step for maps; for owned reads, two chunks per
+/// engine worker (so every worker has work to the end of a batch). Worked out once: the worker
+/// count may read the FUSE connection's settings from sysfs.
+fn batch_limit(source: &Source, mode: Mode, opts: &ReadOptions) -> u64 {
+    match mode {
+        Mode::PageCache => PREFETCH_BYTES,
+        Mode::Owned(_) | Mode::Provided => {
+            let chunk = source::chunk_bytes(&[source], opts) as u64;
+            let threads = source::threads(&[source], opts) as u64;
+            (2 * chunk * threads).max(32 << 20)
         }
     }
 }

@@ -10,13 +10,11 @@ use crate::format::header::TensorInfo;
 use crate::platform;
 use crate::read::buffer::{Fresh, TensorBytes};
 use crate::read::counts::ReadCounts;
-use crate::read::source::{self, ReadOptions, Source};
+use crate::read::source;
 use crate::read::strategy::Strategy;
 
-use super::{BATCH_WORKERS, Mode, ReadAhead, Shared, Slot, State};
+use super::{BATCH_WORKERS, Mode, PREFETCH_BYTES, ReadAhead, Shared, Slot, State};
 
-/// Page-cache hints are given this many bytes at a time.
-const PREFETCH_BYTES: u64 = 16 << 20;
 /// Workers populating a map (each waits on its own 16 MiB at a time).
 const PAGE_CACHE_WORKERS: usize = 4;
 
@@ -97,20 +95,6 @@ impl ReadAhead {
                     self.shared.running.fetch_sub(1, Ordering::Relaxed);
                 }
             }
-        }
-    }
-}
-
-/// The most bytes one batch claims: one populate step for maps; for owned reads, two chunks per
-/// engine worker (so every worker has work to the end of a batch). Worked out once: the worker
-/// count may read the FUSE connection's settings from sysfs.
-pub(super) fn batch_limit(source: &Source, mode: Mode, opts: &ReadOptions) -> u64 {
-    match mode {
-        Mode::PageCache => PREFETCH_BYTES,
-        Mode::Owned(_) | Mode::Provided => {
-            let chunk = source::chunk_bytes(&[source], opts) as u64;
-            let threads = source::threads(&[source], opts) as u64;
-            (2 * chunk * threads).max(32 << 20)
         }
     }
 }

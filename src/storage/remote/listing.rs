@@ -10,8 +10,9 @@ use futures_util::TryStreamExt;
 use object_store::ObjectStore;
 use object_store::path::Path as ObjectPath;
 
+use super::address::{Options, url_outside};
 use super::object::{self, Object, to_io};
-use super::{Options, store};
+use super::store;
 use crate::error::{Error, Result};
 use crate::storage::place::{INDEX_BYTES, Place};
 
@@ -65,7 +66,7 @@ impl Place for Store<'_> {
 
     /// A name is checked as the server will read it too: percent-decoded.
     fn refuse(&self, name: &str) -> Option<&'static str> {
-        crate::storage::remote::url_outside(name)
+        url_outside(name)
     }
 
     fn read(&self, at: &Path) -> Result<Vec<u8>> {

@@ -15,8 +15,9 @@ use futures_util::future::Either;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
+use super::address::Options;
 use super::reported::{self, ReportedDigest};
-use super::{Options, store};
+use super::store;
 
 /// Bytes asked for at open: the 8-byte length and, for most files, the whole JSON header.
 const PROBE_BYTES: u64 = 1 << 16;

@@ -15,7 +15,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
-use super::Options;
+use super::address::{self, Options};
 use super::config::{MAX_RETRIES, RETRY_TIMEOUT, is_true};
 use super::connector::Connector;
 
@@ -106,7 +106,7 @@ pub fn locate_as(
 /// Parsed and checked once, before any request: the repository id as huggingface_hub's
 /// `validate_repo_id` takes it, the revision as git takes a ref name (percent-decoded, as
 /// huggingface_hub's file system reads `@refs%2Fpr%2F1`), the path as a file inside the
-/// repository ([`super::url_outside`]); so no URL of one can reach another repository.
+/// repository ([`address::url_outside`]); so no URL of one can reach another repository.
 pub struct Hub {
     endpoint: String,
     /// "models", "datasets" or "spaces".
@@ -144,20 +144,20 @@ impl Hub {
         if let Some(why) = repo_id_refused(org, repo) {
             return Err(bad(format!("repository id {repo_id:?}: {why}")));
         }
-        let revision = super::percent_decoded(revision).unwrap_or_else(|| revision.to_string());
+        let revision = address::percent_decoded(revision).unwrap_or_else(|| revision.to_string());
         if let Some(why) = revision_refused(&revision) {
             return Err(bad(format!("revision {revision:?}: {why}")));
         }
         let written = parts.next().unwrap_or_default().trim_end_matches('/');
         if let Some(why) = (!written.is_empty())
-            .then(|| super::url_outside(written))
+            .then(|| address::url_outside(written))
             .flatten()
         {
             return Err(bad(format!(
                 "path {written:?} is not a file in the repository ({why})"
             )));
         }
-        let path = super::percent_decoded(written).unwrap_or_else(|| written.to_string());
+        let path = address::percent_decoded(written).unwrap_or_else(|| written.to_string());
         let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| HUB_ENDPOINT.into());
         Ok(Some(Hub {
             endpoint: endpoint.trim_end_matches('/').to_string(),
@@ -192,8 +192,8 @@ impl Hub {
     /// The revision and the path as a URL holds them (huggingface_hub's quoting).
     fn encoded(&self) -> (String, String) {
         (
-            super::percent_encoded(&self.revision, false),
-            super::percent_encoded(&self.path, true),
+            address::percent_encoded(&self.revision, false),
+            address::percent_encoded(&self.path, true),
         )
     }
 

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::pieces::{self, Piece};
-use super::{Temporaries, WriteOptions, sync_all, write_error};
+use super::{Temporaries, WriteOptions, sync_all, write_error, write_piece};
 use crate::error::{Error, Result};
 use crate::format::digest::{Digest, Sha256};
 use crate::format::serialize::{Described, TensorLayout, header};
@@ -119,7 +119,12 @@ impl Session {
         pieces::cut(file, [bytes], &mut all);
         let threads = self.threads[file];
         let hash = self.hashes.as_mut().map(|h| &mut h[file]);
-        write_pieces(handle, path, offset, &all, hash, bytes, threads)?;
+        let writeback = self.options.fsync;
+        write_pieces(handle, path, offset, &all, threads, writeback, || {
+            if let Some(hash) = hash {
+                hash.update(bytes);
+            }
+        })?;
         self.written[file] += bytes.len() as u64;
         Ok(())
     }
@@ -152,16 +157,16 @@ impl Session {
     }
 }
 
-/// `all` (the pieces of `bytes`, which starts at `offset`) written by up to `threads` threads
-/// while the calling thread feeds `hash`.
+/// `all` (pieces of bytes that start at `offset`) written by up to `threads` threads while the
+/// calling thread runs `beside` (the hash); `writeback` as [`write_piece`]'s.
 fn write_pieces(
     file: &File,
     path: &Path,
     offset: u64,
     all: &[Piece<'_>],
-    hash: Option<&mut Sha256>,
-    bytes: &[u8],
     threads: usize,
+    writeback: bool,
+    beside: impl FnOnce(),
 ) -> Result<()> {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -170,8 +175,7 @@ fn write_pieces(
     let failed = Mutex::new(None);
     let work = || {
         while let Some(piece) = all.get(next.fetch_add(1, Ordering::Relaxed)) {
-            let run = piece.runs.first().copied().unwrap_or_default();
-            if let Err(e) = platform::write_all_at(file, run, offset + piece.offset) {
+            if let Err(e) = write_piece(file, piece, offset, &mut Vec::new(), writeback) {
                 failed
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -184,9 +188,7 @@ fn write_pieces(
         let writers: Vec<_> = (0..threads.clamp(1, all.len().max(1)))
             .map(|_| s.spawn(work))
             .collect();
-        if let Some(hash) = hash {
-            hash.update(bytes);
-        }
+        beside();
         for w in writers {
             let _ = w.join();
         }
