@@ -136,7 +136,7 @@ def crate_graph() -> Dict[str, Set[str]]:
     ``mod pieces;``, names ``storage/write/pieces.rs``). A ``pub use`` is its folder's table of
     contents: a name it re-exports names the file the name comes from (``super::Session`` in a
     child of ``storage/write/mod.rs`` names ``storage/write/session.rs``), and the re-export is not
-    itself a use. One type's ``impl`` split across a folder's files is one type: method calls are
+    itself a use (the file's own code naming that name is). One type's ``impl`` split across a folder's files is one type: method calls are
     not paths. ``lib.rs`` is left out (it declares the modules)."""
     files = {_module(p): p for p in CRATE.rglob("*.rs")}
     files.pop("lib", None)
@@ -169,7 +169,11 @@ def crate_graph() -> Dict[str, Set[str]]:
     for node, code in codes.items():
         body = _REEXPORT.sub("", code)
         children = set(_MOD.findall(code))
-        edges[node] = {t for segments in _paths(node, body, children) for t in targets(segments)} - {node}
+        used = _paths(node, body, children)
+        # A name a re-export brings into scope that the file itself uses is a use too.
+        used += [segments for name, segments in exported[node].items()
+                 if re.search(rf"(?<![:\w]){re.escape(name)}\b", body)]
+        edges[node] = {t for segments in used for t in targets(segments)} - {node}
     return edges
 
 
@@ -248,6 +252,11 @@ def test_the_crate_check_fails_on_a_circle_with_a_child(tmp_path, monkeypatch) -
     monkeypatch.setattr(sys.modules[__name__], "CRATE", crate)
     assert cycles(crate_graph()) == []
     assert crate_graph()["storage::write::pieces"] == {"storage::write::session"}
+    assert crate_graph()["storage::write"] == {"storage::write::pieces"}
+    (write / "mod.rs").write_text(  # the front file using the name it re-exports uses its file
+        "mod pieces;\nmod session;\npub use session::Session;\n"
+        "pub struct WriteOptions;\npub fn write() -> Session { pieces::cut(); Session }\n")
+    assert crate_graph()["storage::write"] == {"storage::write::pieces", "storage::write::session"}
     (write / "pieces.rs").write_text("use super::{Session, WriteOptions};\npub fn cut() {}\n")
     assert cycles(crate_graph()) == [["storage::write", "storage::write::pieces", "storage::write"]]
 

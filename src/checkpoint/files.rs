@@ -88,6 +88,25 @@ fn index_shards(
     Ok(shards.into_iter().map(String::from).collect())
 }
 
+/// The folder the names of the checkpoint at `at` are relative to (`verify=`'s mapping and
+/// manifest keys), given the `files` it resolved to ([`at`]): a directory
+/// or prefix itself, an index's folder; None for one file.
+pub fn root_of(at: &Path, files: &[PathBuf]) -> Option<PathBuf> {
+    let text = at.to_string_lossy();
+    if text.ends_with(".json") {
+        return at.parent().map(Path::to_path_buf);
+    }
+    let single = files.len() == 1 && files[0] == at;
+    (!single).then(|| PathBuf::from(text.trim_end_matches('/')))
+}
+
+/// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
+/// directory, an index.json, a URL or a URL prefix, by [`resolve`]'s rule, asked of the place
+/// storage picks for it.
+pub fn at(at: &Path, store: &crate::storage::remote::Options) -> Result<Vec<PathBuf>> {
+    resolve(&*crate::storage::place(at, store)?, at)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -102,25 +102,7 @@ impl Checkpoint {
         opts: ReadOptions,
         store: &crate::storage::remote::Options,
     ) -> Result<Checkpoint> {
-        Self::open_with(&Self::files_at(at, store)?, backend, opts, store)
-    }
-
-    /// The folder the names of the checkpoint at `at` are relative to (`verify=`'s mapping and
-    /// manifest keys), given the `files` it resolved to ([`Checkpoint::files_at`]): a directory
-    /// or prefix itself, an index's folder; None for one file.
-    pub fn root_of(at: &Path, files: &[PathBuf]) -> Option<PathBuf> {
-        let text = at.to_string_lossy();
-        if text.ends_with(".json") {
-            return at.parent().map(Path::to_path_buf);
-        }
-        let single = files.len() == 1 && files[0] == at;
-        (!single).then(|| PathBuf::from(text.trim_end_matches('/')))
-    }
-
-    /// The shard files (paths or URLs, in order) of the checkpoint at `at`: a file, a
-    /// directory, an index.json, a URL or a URL prefix, by `files`' rule.
-    pub fn files_at(at: &Path, store: &crate::storage::remote::Options) -> Result<Vec<PathBuf>> {
-        files::resolve(&*crate::storage::place(at, store)?, at)
+        Self::open_with(&files::at(at, store)?, backend, opts, store)
     }
 
     /// [`Checkpoint::open`] of paths or URLs, with the stores' `storage_options`. With
@@ -270,19 +252,35 @@ impl Checkpoint {
         }
     }
 
-    /// Each shard's strategy for `purpose` (one per shard, for the source reads), resolving only
-    /// the `shards` a read touches (the others are not read: pread); the strategy alone, so no
-    /// residency is measured again for a read-ahead (`strategy::strategy_of`).
-    fn strategies(
+    /// The plan of one read for `purpose` of `shards` (in the order it reads them), made once
+    /// before it starts: the first shard's [`Checkpoint::plan`], and each shard's strategy (the
+    /// others' from `strategy::strategy_of`, so no residency is measured again for a read-ahead
+    /// they do not run; a shard the read does not touch is not resolved: pread).
+    pub(super) fn plan_read(
         &self,
         purpose: Purpose,
         shards: impl IntoIterator<Item = usize>,
-    ) -> Vec<Strategy> {
-        let mut out = vec![Strategy::Pread; self.shards.len()];
+    ) -> ReadPlan {
+        let mut strategies = vec![Strategy::Pread; self.shards.len()];
+        let mut planned = vec![false; self.shards.len()];
+        let mut reported = None;
         for s in shards {
-            out[s] = strategy::strategy_of(&self.known(s), purpose);
+            if std::mem::replace(&mut planned[s], true) {
+                continue;
+            }
+            strategies[s] = match reported {
+                None => {
+                    let plan = self.plan(purpose, s);
+                    reported = Some(plan);
+                    plan.strategy
+                }
+                Some(_) => strategy::strategy_of(&self.known(s), purpose),
+            };
         }
-        out
+        ReadPlan {
+            reported: reported.unwrap_or_else(|| self.plan(purpose, 0)),
+            strategies,
+        }
     }
 
     /// The shards whose pages the plan for every tensor (`Purpose::All`) reads ahead: mapped
@@ -333,23 +331,16 @@ impl Checkpoint {
     }
 
     /// Totals of this checkpoint's reads so far (see [`ReadStats`]); nothing read yet: zeros,
-    /// with the backend reads will use.
-    pub fn totals(&self) -> ReadStats {
-        self.totals_or(|| self.strategy())
-    }
-
-    /// [`Checkpoint::totals`] without probing the storage to resolve the backend: when nothing
-    /// has resolved it (a handle closed before any read), the backend shows as pread.
-    pub fn totals_unprobed(&self) -> ReadStats {
-        self.totals_or(|| match self.resolved.first().and_then(OnceLock::get) {
-            Some(_) => self.strategy(),
-            None => Strategy::Pread,
-        })
-    }
-
-    /// The totals, with `unread()` as the backend when no read has run yet.
-    fn totals_or(&self, unread: impl FnOnce() -> Strategy) -> ReadStats {
+    /// with the backend reads will use, resolved where `probe` lets it probe the storage
+    /// (without, a backend nothing has resolved yet, as for a handle closed before any read,
+    /// shows as pread).
+    pub fn totals(&self, probe: bool) -> ReadStats {
         let (report, latest) = self.totals.get();
+        let resolved = self.resolved.first().and_then(OnceLock::get).is_some();
+        let unread = || match probe || resolved {
+            true => self.strategy(),
+            false => Strategy::Pread,
+        };
         self.stats(latest.unwrap_or_else(unread), &report)
     }
 
@@ -391,35 +382,33 @@ impl Checkpoint {
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<(Tensors, ReadStats)> {
         let purpose = self.purpose_of(selection, dtype);
-        let plan = self.plan(purpose, selection.first().map_or(0, |(s, _)| *s));
+        let plan = self.plan_read(purpose, selection.iter().map(|(s, _)| *s));
+        let mut done = ReadCounts::default();
         if self.is_pinned() {
-            let mut done = ReadCounts::default();
-            let out = self.read_pinned(selection, dtype, poll, &mut done);
-            let stats = self.record(plan, &done);
+            let out = self.read_pinned(selection, dtype, &plan, poll, &mut done);
+            let stats = self.record(plan.reported, &done);
             return Ok((out?, stats));
         }
-        let mut done = ReadCounts::default();
-        let out = self.read_whole(selection, purpose, dtype, poll, &mut done)?;
-        Ok((out, self.record(plan, &done)))
+        let out = self.read_whole(selection, &plan, dtype, poll, &mut done)?;
+        Ok((out, self.record(plan.reported, &done)))
     }
 
-    /// Whole tensors of `selection` into new memory for `purpose`, each shard by its plan (views
-    /// of the map where it maps), converted to `dtype` where asked; what the read did is added to
-    /// `done`. The one read of whole tensors, pinned shards read straight (hashed on the way)
-    /// included.
+    /// Whole tensors of `selection` into new memory, each shard by the strategy `plan` gives it
+    /// (views of the map where it maps), converted to `dtype` where asked; what the read did is
+    /// added to `done`. The one read of whole tensors, pinned shards read straight (hashed on the
+    /// way) included.
     fn read_whole(
         &self,
         selection: &[Entry<'_>],
-        purpose: Purpose,
+        plan: &ReadPlan,
         dtype: Option<Dtype>,
         poll: &mut dyn FnMut() -> bool,
         done: &mut ReadCounts,
     ) -> Result<Tensors> {
-        let strategies = self.strategies(purpose, selection.iter().map(|(s, _)| *s));
         let (out, report) = source::read_or_map(
             &self.sources(),
             selection,
-            &strategies,
+            &plan.strategies,
             dtype,
             &self.opts,
             poll,
@@ -435,31 +424,31 @@ impl Checkpoint {
         targets: Vec<Target<'_, '_>>,
         poll: &mut dyn FnMut() -> bool,
     ) -> Result<ReadStats> {
-        let plan = self.plan(Purpose::Copies, targets.first().map_or(0, |t| t.source));
+        let plan = self.plan_read(Purpose::Copies, targets.iter().map(|t| t.source));
+        let mut done = ReadCounts::default();
         if self.is_pinned() {
-            let mut done = ReadCounts::default();
-            let result = self.read_into_pinned(targets, poll, &mut done);
-            let stats = self.record(plan, &done);
+            let result = self.read_into_pinned(targets, &plan, poll, &mut done);
+            let stats = self.record(plan.reported, &done);
             return result.map(|()| stats);
         }
-        let mut done = ReadCounts::default();
-        self.read_targets(targets, poll, &mut done)?;
-        Ok(self.record(plan, &done))
+        self.read_targets(targets, &plan, poll, &mut done)?;
+        Ok(self.record(plan.reported, &done))
     }
 
-    /// `targets` read as copies, each shard by its plan; what the read did is added to `done`.
+    /// `targets` read as copies, each shard by the strategy `plan` gives it; what the read did
+    /// is added to `done`.
     fn read_targets(
         &self,
         targets: Vec<Target<'_, '_>>,
+        plan: &ReadPlan,
         poll: &mut dyn FnMut() -> bool,
         done: &mut ReadCounts,
     ) -> Result<()> {
-        let strategies = self.strategies(Purpose::Copies, targets.iter().map(|t| t.source));
         let sources = self.sources();
         done.add(&source::read_targets(
             &sources,
             targets,
-            &strategies,
+            &plan.strategies,
             &self.opts,
             poll,
         )?);
@@ -526,6 +515,15 @@ impl Checkpoint {
     fn sources(&self) -> Vec<&Source> {
         sources(&self.shards)
     }
+}
+
+/// One read's plan over a checkpoint's shards ([`Checkpoint::plan_read`]): what it reports and
+/// how each shard is read.
+pub(super) struct ReadPlan {
+    /// The plan of the first shard it reads: its stats report this one.
+    pub reported: Plan,
+    /// Per shard: how it is read.
+    pub strategies: Vec<Strategy>,
 }
 
 fn sources(shards: &[Arc<Source>]) -> Vec<&Source> {

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::pins::{Held, Pins};
-use super::{Checkpoint, Entry, Opening};
+use super::{Checkpoint, Entry, Opening, ReadPlan};
 use crate::checkpoint::record::Record;
 use crate::checkpoint::verify::{self, Expected, Pin, Verified};
 use crate::error::{Error, Result};
@@ -52,7 +52,7 @@ impl Checkpoint {
 
     /// Pins every shard to a digest (`verify=`), resolved now, before anything is read
     /// (`verify::expectations`); the checkpoint must hash its reads (`ReadOptions::hash`).
-    /// `root`: what names are relative to ([`Checkpoint::root_of`]). A shard with no digest (a
+    /// `root`: what names are relative to (`checkpoint::files::root_of`). A shard with no digest (a
     /// lenient `Pin::Known`) loads as it would unpinned; when none has one, nothing is hashed.
     /// `record`: the verified record (`crate::checkpoint::record`): a local file it vouches for is read
     /// as unpinned, and one that hashes right is remembered in it. `store`: the `storage_options`
@@ -99,10 +99,11 @@ impl Checkpoint {
             record,
             before,
         };
+        // Each pinned read hashes its shards itself (`hashed_and_checked`); the others are not
+        // hashed for the pins.
         for (s, shard) in self.shards.iter().enumerate() {
-            match self.pins.pinned(s) {
-                true => shard.start_hash(),
-                false => shard.stop_hash(),
+            if !self.pins.pinned(s) {
+                shard.stop_hash();
             }
         }
         if !self.is_pinned() {
@@ -164,6 +165,7 @@ impl Checkpoint {
         &self,
         selection: &[Entry<'_>],
         dtype: Option<Dtype>,
+        plan: &ReadPlan,
         poll: &mut dyn FnMut() -> bool,
         done: &mut ReadCounts,
     ) -> Result<Tensors> {
@@ -187,9 +189,8 @@ impl Checkpoint {
             .collect();
         let mut read = Vec::new().into_iter();
         if !straight.is_empty() {
-            let purpose = self.purpose_of(&straight, dtype);
             let out = self.hashed_and_checked(&direct, || {
-                self.read_whole(&straight, purpose, dtype, poll, done)
+                self.read_whole(&straight, plan, dtype, poll, done)
             })?;
             read = out.into_iter();
         }
@@ -212,6 +213,7 @@ impl Checkpoint {
     pub(super) fn read_into_pinned(
         &self,
         targets: Vec<Target<'_, '_>>,
+        plan: &ReadPlan,
         poll: &mut dyn FnMut() -> bool,
         done: &mut ReadCounts,
     ) -> Result<()> {
@@ -230,7 +232,7 @@ impl Checkpoint {
         }
         drop(locks);
         if !rest.is_empty() {
-            self.read_targets(rest, poll, done)?;
+            self.read_targets(rest, plan, poll, done)?;
         }
         Ok(())
     }
@@ -352,9 +354,9 @@ impl Checkpoint {
         }
         let source = &self.shards[shard];
         let all: Vec<Entry<'_>> = source.header.tensors.iter().map(|t| (shard, t)).collect();
-        let out = self.hashed_and_checked(&[shard], || {
-            self.read_whole(&all, Purpose::Views, None, poll, done)
-        })?;
+        let plan = self.plan_read(Purpose::Views, [shard]);
+        let out =
+            self.hashed_and_checked(&[shard], || self.read_whole(&all, &plan, None, poll, done))?;
         let slots = held.get_or_insert_with(|| vec![None; all.len()]);
         for (slot, (bytes, _)) in slots.iter_mut().zip(out) {
             slot.get_or_insert(bytes);
@@ -362,42 +364,40 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The one place a pinned read hashes: starts the SHA-256 of each of `shards` that is pinned,
-    /// runs `read` (whose reads feed those hashes, every byte once, in file order), then checks
-    /// each against its pin. What `read` returned is given back only when every check passed.
+    /// The one place a pinned read is verified: `read` runs hashed ([`source::hashed`]: the
+    /// SHA-256 of each of `shards` that is pinned, started before it and finished after it),
+    /// then each digest is checked against its pin. What `read` returned is given back only when
+    /// every check passed.
     fn hashed_and_checked<T>(
         &self,
         shards: &[usize],
         read: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        for &s in shards.iter().filter(|&&s| self.pins.pinned(s)) {
-            self.shards[s].start_hash();
-        }
-        let out = read()?;
-        for &s in shards {
-            self.check_shard(s)?;
+        let pinned: Vec<usize> = (shards.iter().copied())
+            .filter(|&s| self.pins.pinned(s))
+            .collect();
+        let sources: Vec<&source::Source> = pinned.iter().map(|&s| &*self.shards[s]).collect();
+        let (out, digests) = source::hashed(&sources, read)?;
+        for (shard, actual) in pinned.into_iter().zip(digests) {
+            self.check_shard(shard, &actual)?;
         }
         Ok(out)
     }
 
-    /// Compares pinned shard `shard`'s digest with what its reads hashed and counts it.
-    fn check_shard(&self, shard: usize) -> Result<()> {
-        let Some(expected) = self.pins.expected[shard]
-            .as_ref()
-            .filter(|_| self.pins.pinned(shard))
-        else {
-            return Ok(()); // not pinned, or vouched for by the record
+    /// Compares pinned shard `shard`'s digest with `actual`, what its read hashed, and counts it.
+    fn check_shard(&self, shard: usize, actual: &Digest) -> Result<()> {
+        let Some(expected) = self.pins.expected[shard].as_ref() else {
+            return Ok(()); // not pinned
         };
         let source = &self.shards[shard];
-        let actual: Digest = source.finish_hash()?;
-        expected.check(&source.path, &actual)?;
+        expected.check(&source.path, actual)?;
         if let (Some(record), Some(before), Some(file)) = (
             &self.pins.record,
             &self.pins.before[shard],
             source.backing.file(),
         ) {
             // Best effort: a record that cannot be written costs the next load a hash, no more.
-            let _ = record.remember(&source.path, file, before, &actual);
+            let _ = record.remember(&source.path, file, before, actual);
         }
         let mut counts = self.pins.counts.lock().unwrap_or_else(|p| p.into_inner());
         counts.files += 1;

@@ -180,7 +180,7 @@ mod tests {
             .collect::<Vec<usize>>();
         assert_eq!(seen, std::mem::take(&mut by_offset));
         let total = data.iter().map(|d| d.len() as u64).sum::<u64>();
-        assert_eq!(ckpt.totals().bytes, total);
+        assert_eq!(ckpt.totals(true).bytes, total);
         assert_eq!((stream.done(), stream.total), (total, total));
         // Dropped after one batch: the reader stops, nothing hangs.
         let stream = Stream::start(open(), Some(200));

@@ -76,8 +76,8 @@ impl Checkpoint {
             let (files, root) = match &path_or_paths {
                 CheckpointArg::At(at) => {
                     // Resolved once: the files to open, and the folder their names are in.
-                    let files = checkpoint::Checkpoint::files_at(at, &given.store)?;
-                    let root = checkpoint::Checkpoint::root_of(at, &files);
+                    let files = checkpoint::files::at(at, &given.store)?;
+                    let root = checkpoint::files::root_of(at, &files);
                     (files, root)
                 }
                 CheckpointArg::Files(paths) => (paths.clone(), None),
@@ -260,7 +260,7 @@ impl Checkpoint {
     /// Totals of this checkpoint's reads so far: bytes and seconds added up, the most workers a
     /// read used; zeros, with the backend reads will use, before any.
     fn stats(&self) -> PyResult<Stats> {
-        Ok(Stats::from(self.get()?.totals()))
+        Ok(Stats::from(self.get()?.totals(true)))
     }
 
     /// What every rank must agree on: shard file names and each tensor's place, dtype and shape.

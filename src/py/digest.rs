@@ -11,7 +11,6 @@ use pyo3::prelude::*;
 use super::args::{BackendArg, options};
 use super::errors::detached;
 use super::remote::StorageOptions;
-use crate::checkpoint::Checkpoint;
 use crate::error::Error;
 use crate::format::digest::{self, Digest};
 
@@ -103,7 +102,7 @@ pub(super) fn known_digest(
 
 /// The shard files of the checkpoint at `at` (a file, a directory, an index.json, a URL or a
 /// prefix), in order, as `Checkpoint(at)` opens them, each with its name in a manifest: relative
-/// to the checkpoint's root (`Checkpoint::root_of`: the directory, the index's folder, the
+/// to the checkpoint's root (`checkpoint::files::root_of`: the directory, the index's folder, the
 /// prefix), `at` itself for one file. Strings (a URL is not a path: a `pathlib.Path` would fold
 /// its `//`).
 #[pyfunction]
@@ -114,8 +113,8 @@ pub(super) fn checkpoint_files(
     storage_options: Option<StorageOptions>,
 ) -> PyResult<Vec<(OsString, OsString)>> {
     let store = storage_options.unwrap_or_default().0;
-    let files = detached(py, |_| Checkpoint::files_at(&at, &store))?;
-    let root = Checkpoint::root_of(&at, &files);
+    let files = detached(py, |_| crate::checkpoint::files::at(&at, &store))?;
+    let root = crate::checkpoint::files::root_of(&at, &files);
     let named = |file: PathBuf| {
         let name = (root.as_deref())
             .and_then(|r| file.strip_prefix(r).ok())

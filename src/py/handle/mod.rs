@@ -75,23 +75,12 @@ impl Handle {
     fn latest(&self) -> ReadStats {
         let open = self.open.read().unwrap_or_else(|p| p.into_inner());
         match &*open {
-            Some(ckpt) => self.totals(ckpt, true),
+            Some(ckpt) => ckpt.totals(true), // read-aheads and loaders count there
             None => self
                 .closed
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .expect("set at close"),
-        }
-    }
-
-    /// Totals of the checkpoint's reads (its read-aheads' and prefetch loaders' count there);
-    /// `probe`: resolve the backend when nothing has (not at close: `open()` + `keys()` probes
-    /// nothing).
-    fn totals(&self, ckpt: &Checkpoint, probe: bool) -> ReadStats {
-        if probe {
-            ckpt.totals()
-        } else {
-            ckpt.totals_unprobed()
         }
     }
 
@@ -142,7 +131,7 @@ impl Handle {
     /// will be read with.
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
-        Ok(self.ckpt()?.totals().strategy.name())
+        Ok(self.ckpt()?.totals(true).strategy.name())
     }
 
     /// The backend this file was asked to be read with, after the process's overrides (a
@@ -202,7 +191,7 @@ impl Handle {
             return;
         };
         // Under the write lock: `latest` sees the handle open or these totals.
-        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.totals(&ckpt, false));
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = Some(ckpt.totals(false)); // probes nothing at close
         drop(open);
         if Arc::strong_count(&self.ahead) == 1
             && let Some(Some(ahead)) = self.ahead.get()

@@ -49,21 +49,23 @@ pub fn hash_files(
             strategy::strategy_of(&known, Purpose::Copies)
         })
         .collect();
-    hash_sources(&sources, &strategies, &opts, max_bytes, poll)
+    let (report, digests) = super::hashed(&sources, || {
+        read_rounds(&sources, &strategies, &opts, max_bytes, poll)
+    })?;
+    Ok((digests, report))
 }
 
-/// The SHA-256 of each of `sources` (in order), each read with its strategy in `strategies`
-/// (Pread or Direct) in rounds of at most `max_bytes` (at least one byte), and what the reads
-/// did.
-fn hash_sources(
+/// Every byte of `sources` read, each with its strategy in `strategies` (Pread or Direct), in
+/// rounds of at most `max_bytes` (at least one byte) into one buffer, several files side by side,
+/// its reads hashing (`opts.hash`): what [`hash_files`] hashes; what the reads did.
+fn read_rounds(
     sources: &[&Source],
     strategies: &[Strategy],
     opts: &ReadOptions,
     max_bytes: u64,
     poll: &mut dyn FnMut() -> bool,
-) -> Result<(Vec<Digest>, ReadCounts)> {
+) -> Result<ReadCounts> {
     debug_assert!(opts.hash, "hash_files asks the reads to hash");
-    sources.iter().for_each(|s| s.start_hash());
     let data: Vec<u64> = sources.iter().map(|s| s.header.data_len()).collect();
     let room = max_bytes.clamp(1, data.iter().sum::<u64>().max(1));
     crate::read::pool::ensure_fits(room, || format!("hashing {} files", sources.len()))?;
@@ -100,8 +102,7 @@ fn hash_sources(
         report.threads = report.threads.max(read.threads);
         report.direct_refused |= read.direct_refused;
     }
-    let digests = sources.iter().map(|s| s.finish_hash());
-    Ok((digests.collect::<Result<_>>()?, report))
+    Ok(report)
 }
 
 /// A plan of `spans` (file, data-area offset, destination) whose chunks take turns between the

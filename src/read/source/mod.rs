@@ -326,6 +326,21 @@ impl Source {
     }
 }
 
+/// The SHA-256 of each of `sources` over what `read` reads: the one place a read is hashed.
+/// Each file's hash is started (its prefix and header now), `read` runs (its reads feed the
+/// hashes, every byte once, in file order, where its options ask: [`ReadOptions::hash`]), then
+/// each is finished: its digest, or an error naming the range `read` left unread. What `read`
+/// returned is given back only with every digest.
+pub fn hashed<T>(
+    sources: &[&Source],
+    read: impl FnOnce() -> Result<T>,
+) -> Result<(T, Vec<Digest>)> {
+    sources.iter().for_each(|s| s.start_hash());
+    let out = read();
+    let digests: Result<Vec<Digest>> = sources.iter().map(|s| s.finish_hash()).collect();
+    Ok((out?, digests?))
+}
+
 /// The chunk size for these sources: the caller's, else one suited to the slowest filesystem.
 pub fn chunk_bytes(sources: &[&Source], opts: &ReadOptions) -> usize {
     let kind = sources
