@@ -1,5 +1,5 @@
 //! What only Linux has, as the other platforms answer it: no FUSE connection settings to read,
-//! no populate, prefault or start-writeback call (the caller hints, or the writes fault), no transparent huge
+//! no populate or prefault call (the caller hints, or the writes fault), no transparent huge
 //! pages. `macos.rs` and `windows.rs` re-export these rather than each writing them out.
 
 use std::fs::File;
@@ -13,11 +13,6 @@ pub fn fuse_requests_in_flight(_file: &File) -> Option<usize> {
 /// No populate call here: the caller hints instead.
 pub fn populate_mapped(_ptr: NonNull<u8>, _len: usize) -> bool {
     false
-}
-
-/// No call that starts a file's writeback here: the fsync writes the bytes.
-pub fn start_writeback(_file: &File, _offset: u64, _len: u64) -> std::io::Result<()> {
-    Ok(())
 }
 
 /// No prefault call here: the writes fault.

@@ -43,23 +43,6 @@ fn accepts_unaligned(file: &File) -> bool {
     }
 }
 
-pub fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
-    let (Ok(offset), Ok(len)) = (
-        libc::off64_t::try_from(offset),
-        libc::off64_t::try_from(len),
-    ) else {
-        return Err(io::ErrorKind::InvalidInput.into());
-    };
-    // SAFETY: a valid open descriptor; the call only queues the range's dirty pages for writing.
-    let done = unsafe {
-        libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
-    };
-    match done {
-        0 => Ok(()),
-        _ => Err(io::Error::last_os_error()),
-    }
-}
-
 /// `posix_fallocate`; a filesystem that cannot reserve space (EOPNOTSUPP, EINVAL) gets `set_len`.
 pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     let Ok(size) = libc::off_t::try_from(len) else {

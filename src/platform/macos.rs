@@ -153,7 +153,7 @@ pub fn map_anonymous(len: usize) -> io::Result<NonNull<u8>> {
 
 pub use super::elsewhere::{
     advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
-    prefault, start_writeback,
+    prefault,
 };
 
 #[cfg(test)]

@@ -6,7 +6,6 @@
 //! |---|---|---|---|
 //! | positional vectored read | `preadv` | `preadv` | `seek_read` per segment |
 //! | positional write, space reserved | `pwrite`, `posix_fallocate` | `pwrite`, `set_len` | `seek_write`, `set_len` |
-//! | a synced write's bytes sent early | `sync_file_range(SYNC_FILE_RANGE_WRITE)` | none | none |
 //! | a renamed file's entry made durable | `fsync` of the directory | `fsync` of the directory | none (NTFS journals it) |
 //! | uncached read handle | `O_DIRECT` (4 KiB aligned) | `F_NOCACHE` (no alignment) | `FILE_FLAG_NO_BUFFERING` (4 KiB aligned) |
 //! | cache hints / drop | `posix_fadvise` | `F_RDADVISE`, `F_RDAHEAD` / none | none |
@@ -87,12 +86,6 @@ pub fn write_all_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
 /// filesystem cannot reserve, the file is only extended (`set_len`).
 pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     os::preallocate(file, len)
-}
-
-/// Starts writing `len` bytes of `file` at `offset` to its disk without waiting for them
-/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)` on Linux; elsewhere nothing: the fsync writes them).
-pub fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
-    os::start_writeback(file, offset, len)
 }
 
 /// Makes the entries of directory `dir` durable (after a rename into it), where the OS needs it.

@@ -316,7 +316,7 @@ pub unsafe fn unmap_anonymous(ptr: NonNull<u8>, _len: usize) {
 
 pub use super::elsewhere::{
     advise_huge_pages, fuse_requests_in_flight, huge_page_faults_cannot_stall, populate_mapped,
-    prefault, start_writeback,
+    prefault,
 };
 
 #[cfg(test)]

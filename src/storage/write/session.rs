@@ -119,8 +119,7 @@ impl Session {
         pieces::cut(file, [bytes], &mut all);
         let threads = self.threads[file];
         let hash = self.hashes.as_mut().map(|h| &mut h[file]);
-        let writeback = self.options.fsync;
-        write_pieces(handle, path, offset, &all, threads, writeback, || {
+        write_pieces(handle, path, offset, &all, threads, || {
             if let Some(hash) = hash {
                 hash.update(bytes);
             }
@@ -158,14 +157,13 @@ impl Session {
 }
 
 /// `all` (pieces of bytes that start at `offset`) written by up to `threads` threads while the
-/// calling thread runs `beside` (the hash); `writeback` as [`write_piece`]'s.
+/// calling thread runs `beside` (the hash).
 fn write_pieces(
     file: &File,
     path: &Path,
     offset: u64,
     all: &[Piece<'_>],
     threads: usize,
-    writeback: bool,
     beside: impl FnOnce(),
 ) -> Result<()> {
     use std::sync::Mutex;
@@ -175,7 +173,7 @@ fn write_pieces(
     let failed = Mutex::new(None);
     let work = || {
         while let Some(piece) = all.get(next.fetch_add(1, Ordering::Relaxed)) {
-            if let Err(e) = write_piece(file, piece, offset, &mut Vec::new(), writeback) {
+            if let Err(e) = write_piece(file, piece, offset, &mut Vec::new()) {
                 failed
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
