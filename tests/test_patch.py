@@ -292,6 +292,27 @@ def test_env_patches_at_start(fresh_env, sample):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_imports_while_patched_leave_no_original_behind(fresh_env):
+    """A module imported while patched is patched where only it and what it imported can hold its
+    objects; no module is left holding an original (transformers imports safetensors.torch, and
+    modeling_utils defines the hf-mount check, inside from_pretrained)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    r = _run(fresh_env, """
+        import sys
+        import transformers.modeling_utils, safetensors.torch, safetensors.numpy
+        originals = sys.modules["safeload.patch"].originals()
+        want = {"safe_open", "torch.load_file", "torch.save_file", "numpy.load_file"}
+        assert {f"safetensors.{k}" for k in want} <= set(originals), sorted(originals)
+        assert "transformers.modeling_utils._is_on_hf_mount" in originals, sorted(originals)
+        held = [(n, k) for n, m in list(sys.modules.items()) if m is not None and not n.startswith("safeload")
+                for k, v in list(getattr(m, "__dict__", {}).items())
+                if any(v is o for o in originals.values())]
+        assert held == [], held
+        print("ok")
+    """, SAFELOAD_PATCH="1", HF_HUB_OFFLINE="1")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 def test_env_backend_value_forces_it(fresh_env, sample):
     code = f"""
         import safetensors

@@ -169,9 +169,11 @@ def _own(name: str) -> bool:
     return name == "safeload" or name.startswith("safeload.")
 
 
-def _module_dicts() -> Iterator[Tuple[Any, Dict[str, Any]]]:
-    for name, module in list(sys.modules.items()):
-        if module is None or _own(name):
+def _module_dicts(scope: Optional[List[Any]] = None) -> Iterator[Tuple[Any, Dict[str, Any]]]:
+    """Each module's namespace: of ``scope``'s modules, or of every module loaded."""
+    named = [(getattr(m, "__name__", ""), m) for m in scope] if scope is not None else list(sys.modules.items())
+    for name, module in named:
+        if module is None or not isinstance(name, str) or _own(name):
             continue
         try:
             d = object.__getattribute__(module, "__dict__")
@@ -181,12 +183,13 @@ def _module_dicts() -> Iterator[Tuple[Any, Dict[str, Any]]]:
             yield module, d
 
 
-def _swap(pairs: Dict[int, Tuple[Any, Any]], record: bool) -> None:
+def _swap(pairs: Dict[int, Tuple[Any, Any]], record: bool, scope: Optional[List[Any]] = None) -> None:
     """Replace every module attribute that ``is`` a key object of ``pairs`` (by id) with its
-    partner; when ``record``, remember (module, name, old) for unpatch."""
+    partner, in ``scope``'s modules (default: every module loaded); when ``record``, remember
+    (module, name, old) for unpatch."""
     if not pairs:
         return
-    for module, d in _module_dicts():
+    for module, d in _module_dicts(scope):
         hits = [(k, v) for k, v in list(d.items()) if id(v) in pairs and pairs[id(v)][0] is v]
         for name, old in hits:
             d[name] = pairs[id(old)][1]
@@ -194,8 +197,14 @@ def _swap(pairs: Dict[int, Tuple[Any, Any]], record: bool) -> None:
                 _records.append((module, name, old))
 
 
-def _apply() -> None:
-    """Patch whatever of ``_TARGETS`` is imported, and every alias of it."""
+def _apply(loaded: Optional[Tuple[str, List[Any]]] = None) -> None:
+    """Patch whatever of ``_TARGETS`` is imported, and every alias of it.
+
+    ``loaded``: the name of a module that has just run and the modules loaded while it ran (it
+    included). Where every object to replace is one that module defines, only those modules can
+    hold it, and only they are searched: a search of every module's names costs ~35 ms with
+    transformers loaded (110,000 names), inside the ``from_pretrained`` that imports
+    ``safetensors.torch``."""
     pairs: Dict[int, Tuple[Any, Any]] = {}
     for modname, names in _TARGETS.items():
         module = sys.modules.get(modname)
@@ -211,7 +220,9 @@ def _apply() -> None:
                 _originals[key] = current
                 _replacements[key] = _make(key, current)
             pairs[id(current)] = (current, _replacements[key])
-    _swap(pairs, record=True)
+    defined_there = loaded is not None and all(
+        getattr(old, "__module__", None) == loaded[0] for old, _ in pairs.values())
+    _swap(pairs, record=True, scope=loaded[1] if loaded is not None and defined_there else None)
 
 
 class _Loader(importlib.abc.Loader):
@@ -224,10 +235,12 @@ class _Loader(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        before = set(sys.modules)
         self._inner.exec_module(module)
         with _lock:
             if _active:
-                _apply()
+                fresh = [m for n, m in list(sys.modules.items()) if n not in before]
+                _apply((module.__name__, [module, *fresh]))
 
     def __getattr__(self, name: str) -> Any:  # get_data, get_resource_reader, ...
         return getattr(self._inner, name)

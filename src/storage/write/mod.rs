@@ -78,7 +78,8 @@ pub fn write_files(files: &mut [FileOut<'_>], options: &WriteOptions) -> Result<
         pieces::cut(i, runs, &mut all);
     }
     let handles = temps.handles();
-    let digests = write_and_hash(files, &heads, &handles, &all, options)?;
+    let per_file = options.per_file(temps.kind(0));
+    let digests = write_and_hash(files, &heads, &handles, &all, per_file, options)?;
     let paths: Vec<&Path> = files.iter().map(|f| f.path.as_path()).collect();
     if options.fsync {
         sync_all(&paths, &handles)?;
@@ -115,19 +116,18 @@ impl WriteOptions {
     }
 }
 
-/// The bytes of every piece written (and each file hashed) by the worker threads; the calling
-/// thread is one of them and the one that watches for Ctrl-C.
+/// The bytes of every piece written (and each file hashed) by the worker threads, `per_file` of
+/// them to a file; the calling thread is one of them and the one that watches for Ctrl-C.
 fn write_and_hash(
     files: &[FileOut<'_>],
     heads: &[Vec<u8>],
     handles: &[&File],
     all: &[Piece<'_>],
+    per_file: usize,
     options: &WriteOptions,
 ) -> Result<Vec<Digest>> {
     // What a worker takes at a time: a file's pieces in order (one writer per file, files side
     // by side), or single pieces (several writers per file).
-    let kind = (handles.first()).map_or(FsKind::Local, |h| platform::fs_kind(h, &files[0].path));
-    let per_file = options.per_file(kind);
     let jobs: Vec<&[Piece<'_>]> = if per_file == 1 {
         all.chunk_by(|a, b| a.file == b.file).collect()
     } else {
@@ -149,8 +149,7 @@ fn write_and_hash(
                     stop.store(true, Ordering::Relaxed);
                     return;
                 }
-                let file = handles[piece.file];
-                if let Err(e) = write_piece(file, piece, 0, &mut scratch) {
+                if let Err(e) = write_piece(handles[piece.file], piece, 0, &mut scratch) {
                     stop.store(true, Ordering::Relaxed);
                     let mut failed = failed.lock().unwrap_or_else(|p| p.into_inner());
                     failed.get_or_insert((piece.file, e));
@@ -271,7 +270,15 @@ fn temp_sibling(path: &Path) -> PathBuf {
 
 /// The temporary files of a save: removed when dropped, unless committed (renamed over their
 /// targets).
-struct Temporaries(Vec<(PathBuf, Option<File>)>);
+struct Temporaries(Vec<Temporary>);
+
+/// One file of a save while it is written: its temporary's path (empty once renamed), the open
+/// file, and the filesystem it is on (asked once, when it is made).
+struct Temporary {
+    path: PathBuf,
+    file: Option<File>,
+    kind: FsKind,
+}
 
 impl Temporaries {
     /// A temporary beside each `(path, len)`, made at its final size: its blocks reserved on a
@@ -283,27 +290,37 @@ impl Temporaries {
         let mut temps = Temporaries(Vec::new());
         for (path, len) in sized {
             let (temp, file) = create_beside(path).map_err(|e| write_error(path, e))?;
-            let reserved = match platform::fs_kind(&file, &temp) {
+            let kind = platform::fs_kind(&file, &temp);
+            let reserved = match kind {
                 FsKind::Memory => file.set_len(len),
                 FsKind::Local | FsKind::Network(_) => platform::preallocate(&file, len),
             };
-            temps.0.push((temp, Some(file)));
+            temps.0.push(Temporary {
+                path: temp,
+                file: Some(file),
+                kind,
+            });
             reserved.map_err(|e| write_error(path, e))?;
         }
         Ok(temps)
     }
 
     fn handles(&self) -> Vec<&File> {
-        self.0.iter().filter_map(|t| t.1.as_ref()).collect()
+        self.0.iter().filter_map(|t| t.file.as_ref()).collect()
+    }
+
+    /// The filesystem file `i` is written to (a local disk where there is none).
+    fn kind(&self, i: usize) -> FsKind {
+        self.0.get(i).map_or(FsKind::Local, |t| t.kind)
     }
 
     /// Renames each file over its target, then (synced saves) makes the renames durable.
     fn commit(mut self, paths: &[&Path], fsync: bool) -> Result<()> {
         for (i, path) in paths.iter().enumerate() {
-            let (temp, handle) = &mut self.0[i];
-            drop(handle.take());
-            std::fs::rename(&*temp, path).map_err(|e| write_error(path, e))?;
-            temp.clear();
+            let temp = &mut self.0[i];
+            drop(temp.file.take());
+            std::fs::rename(&temp.path, path).map_err(|e| write_error(path, e))?;
+            temp.path.clear();
         }
         if fsync {
             let mut dirs: Vec<&Path> = (paths.iter())
@@ -327,10 +344,10 @@ impl Temporaries {
 
 impl Drop for Temporaries {
     fn drop(&mut self) {
-        for (temp, handle) in self.0.drain(..) {
-            drop(handle);
-            if !temp.as_os_str().is_empty() {
-                let _ = std::fs::remove_file(temp);
+        for temp in self.0.drain(..) {
+            drop(temp.file);
+            if !temp.path.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(temp.path);
             }
         }
     }

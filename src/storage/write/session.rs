@@ -65,9 +65,9 @@ impl Session {
         let temps =
             Temporaries::create(paths.iter().map(PathBuf::as_path).zip(lens.iter().copied()))?;
         let mut threads = Vec::with_capacity(paths.len());
-        for ((path, head), file) in paths.iter().zip(&heads).zip(temps.handles()) {
+        for (i, ((path, head), file)) in paths.iter().zip(&heads).zip(temps.handles()).enumerate() {
             platform::write_all_at(file, head, 0).map_err(|e| write_error(path, e))?;
-            threads.push(options.per_file(platform::fs_kind(file, path)));
+            threads.push(options.per_file(temps.kind(i)));
         }
         let hashes = options.hash.then(|| {
             (heads.iter())
