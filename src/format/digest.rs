@@ -14,13 +14,31 @@ use sha2::Digest as _;
 #[derive(Clone, Default)]
 pub struct Sha256(sha2::Sha256);
 
+/// Inputs this long are hashed through a small buffer, [`STAGE`] bytes at a time. SHA-256's
+/// loads wait on each block's rounds, so memory that is not in the core's cache (a tensor
+/// another thread just read, one a save writes) hashes at the memory's latency; a copy keeps
+/// many loads in flight and the copied bytes then hash from L1. Measured here (SHA-NI, 1 GiB
+/// in memory): 1.02-1.08 GB/s hashed where it lies, 1.42-1.44 GB/s staged through 4-16 KiB,
+/// 1.69 GB/s for bytes already in L1.
+const STAGED_FROM: usize = 64 << 10;
+const STAGE: usize = 8 << 10;
+
 impl Sha256 {
     pub fn new() -> Self {
         Self::default()
     }
 
     pub fn update(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
+        if bytes.len() < STAGED_FROM {
+            self.0.update(bytes);
+            return;
+        }
+        let mut stage = [0u8; STAGE];
+        for part in bytes.chunks(STAGE) {
+            let staged = &mut stage[..part.len()];
+            staged.copy_from_slice(part);
+            self.0.update(staged);
+        }
     }
 
     pub fn finish(self) -> Digest {
@@ -219,6 +237,21 @@ mod tests {
 
     const EMPTY: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
     const ABC: &str = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+
+    #[test]
+    fn long_inputs_hash_alike_whole_staged_or_in_short_pieces() {
+        // FIPS 180-2's third vector: a million 'a's (longer than STAGED_FROM, not a whole
+        // number of stages), whole, in long uneven pieces and in short ones (hashed where
+        // they lie).
+        const MILLION_A: &str = "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0";
+        let msg = vec![b'a'; 1_000_000];
+        assert_eq!(Digest::of(&msg).to_string(), MILLION_A);
+        for piece in [100_003, STAGED_FROM + 1, 997] {
+            let mut sha = Sha256::new();
+            msg.chunks(piece).for_each(|p| sha.update(p));
+            assert_eq!(sha.finish().to_string(), MILLION_A, "pieces of {piece}");
+        }
+    }
 
     #[test]
     fn known_vectors() {
