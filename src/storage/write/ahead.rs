@@ -1,4 +1,6 @@
-//! Page-cache pages readied ahead of a file's writer, on a thread of its own. A buffered write
+//! Page-cache pages readied ahead of a file's writer, on a thread it does not use (a thread of
+//! its own for [`super::write_files`], the calling thread once it has hashed a staged buffer for
+//! [`super::Session`]). A buffered write
 //! into a file the size of a checkpoint spends much of its time making the pages it copies into
 //! (under the file's lock, one at a time); read-ahead over the temporary's reserved blocks makes
 //! them (zero-filled, without I/O) on a spare core instead, a little ahead of the writer, which
@@ -10,7 +12,8 @@
 //!
 //! The readier stays at most [`LEAD`] ahead of the writer (it is told where each piece ends
 //! before the piece is written), so the pages it makes are written within moments and are not
-//! there to be reclaimed.
+//! there to be reclaimed, and never readies below where the writer goes (a page written, synced
+//! and dropped would be read back from the disk).
 
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,20 +35,14 @@ pub(super) struct Ahead {
 }
 
 impl Ahead {
-    /// A readier where every file is on a local disk (a network filesystem's pages are the
-    /// server's; tmpfs has no read-ahead), each has one writer, the OS readies pages without I/O
-    /// and a core is left over by the save's `writers`; else one that does nothing.
-    /// The receiving end goes to [`Ahead::run`] on a thread of its own.
+    /// A readier where [`wanted`], else one that does nothing. The receiving end goes to
+    /// [`Ahead::run`] on a thread of its own.
     pub fn new(
         kinds: impl IntoIterator<Item = FsKind>,
         per_file: usize,
         writers: usize,
     ) -> (Ahead, Option<Receiver<Word>>) {
-        let wanted = platform::READIES_PAGES_FOR_WRITES
-            && per_file == 1
-            && writers < platform::cores()
-            && kinds.into_iter().all(|k| k == FsKind::Local);
-        if !wanted {
+        if !wanted(kinds, per_file, writers) {
             return (Ahead { tx: None }, None);
         }
         let (tx, rx) = channel();
@@ -70,20 +67,36 @@ impl Ahead {
     pub fn run(rx: Receiver<Word>, files: &[(&File, u64)], stop: &AtomicBool) {
         let mut readied = vec![0u64; files.len()];
         while let Ok(Some((i, end))) = rx.recv() {
-            let (Some(&(file, len)), Some(at)) = (files.get(i), readied.get_mut(i)) else {
-                continue;
-            };
-            let until = end.saturating_add(LEAD).min(len);
-            *at = (*at).max(end);
-            while *at < until {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let step = (until - *at).min(PIECE as u64);
-                platform::ready_pages_for_writes(file, *at, step);
-                *at += step;
+            if let (Some(&(file, len)), Some(at)) = (files.get(i), readied.get_mut(i)) {
+                ready(file, len, at, end, stop);
             }
         }
+    }
+}
+
+/// Whether pages are worth readying: every file on a local disk (a network filesystem's pages
+/// are the server's; tmpfs has no read-ahead), each with one writer, an OS that readies them
+/// without I/O, and a core left over by the save's `writers`.
+pub(super) fn wanted(
+    kinds: impl IntoIterator<Item = FsKind>,
+    per_file: usize,
+    writers: usize,
+) -> bool {
+    platform::READIES_PAGES_FOR_WRITES
+        && per_file == 1
+        && writers < platform::cores()
+        && kinds.into_iter().all(|k| k == FsKind::Local)
+}
+
+/// Readies the pages of `file` (`len` bytes) from `end` (where its writer is about to write to)
+/// or `readied` (how far they are readied), whichever is further, to [`LEAD`] past `end`.
+pub(super) fn ready(file: &File, len: u64, readied: &mut u64, end: u64, stop: &AtomicBool) {
+    let until = end.saturating_add(LEAD).min(len);
+    *readied = (*readied).max(end);
+    while *readied < until && !stop.load(Ordering::Relaxed) {
+        let step = (until - *readied).min(PIECE as u64);
+        platform::ready_pages_for_writes(file, *readied, step);
+        *readied += step;
     }
 }
 
