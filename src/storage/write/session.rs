@@ -10,7 +10,6 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-
 use std::sync::atomic::AtomicBool;
 
 use super::ahead;
