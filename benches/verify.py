@@ -4,7 +4,7 @@ with and without it, and the way users check today (hashlib over each file, then
 by side in fresh processes, interleaved, warm and cold, medians, with peak RSS; and hashlib over
 the largest file alone (the least a hash costs on one core).
 
-    python benches/verify.py CHECKPOINT... [--rounds 3]
+    python benches/verify.py CHECKPOINT... [--rounds 3] [--json OUT]   # OUT: every child, round by round
 
 Each CHECKPOINT is a .safetensors file or a folder of shards (`bench.py`'s samples:
 bench-data/full/sharded, bench-data/full/llama/model.safetensors). Cold rounds drop the files'
@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 HOWS = ("load", "verify=", "verify= + record", "get_tensor loop", "get_tensor loop, verify=",
         "hashlib, then load", "hashlib, largest file")
@@ -82,8 +82,9 @@ def _sha(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def run(targets: List[str], rounds: int, record: str) -> List[str]:
-    """The table's lines: one row per checkpoint and cache state."""
+def run(targets: List[str], rounds: int, record: str, runs: Optional[List[Dict]] = None) -> List[str]:
+    """The table's lines: one row per checkpoint and cache state. Each child's figures are also
+    appended to ``runs`` when given (a median hides a slow round; ``--json`` keeps them)."""
     res: Dict[Tuple[str, bool, str], List[Tuple[float, int]]] = {}
     for target in targets:
         pins = json.dumps({os.path.basename(f): _sha(f) for f in _files(target)})
@@ -99,6 +100,9 @@ def run(targets: List[str], rounds: int, record: str) -> List[str]:
                                           record], capture_output=True, text=True, check=True)
                     got = json.loads(out.stdout.strip().splitlines()[-1])
                     res.setdefault((target, cold, how), []).append((got["s"], got["rss"]))
+                    if runs is not None:
+                        runs.append({"checkpoint": target, "state": "cold" if cold else "warm", "how": how,
+                                     "round": r, "s": got["s"], "peak_rss_kib": got["rss"]})
     lines = ["| checkpoint | state | load s | `verify=` s | ratio | / max(load, hashlib largest) "
              "| + record s | ratio | loop s | loop `verify=` s | ratio | hashlib, then load s | that / `verify=` "
              "| peak RSS load / `verify=` / loop / loop `verify=` MiB |", "|---" * 14 + "|"]
@@ -120,9 +124,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="+")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", metavar="OUT", help="also write every child's figures here, round by round")
     args = p.parse_args()
+    runs: List[Dict] = []
     with tempfile.TemporaryDirectory() as record:
-        print("\n".join(run(args.checkpoints, args.rounds, record)))
+        print("\n".join(run(args.checkpoints, args.rounds, record, runs)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": args.rounds, "cores": os.cpu_count(), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
