@@ -153,9 +153,7 @@ fn write_and_hash(
             }
         }
     };
-    let lens: Vec<(&File, u64)> = (files.iter().zip(heads).zip(&handles))
-        .map(|((f, head), &h)| (h, head.len() as u64 + data_len(&f.tensors)))
-        .collect();
+    let lens = temps.sized_handles();
     let digests = std::thread::scope(|s| {
         let hashers: Vec<_> = (files.iter().zip(heads))
             .filter(|_| options.hash)
@@ -296,10 +294,11 @@ fn temp_sibling(path: &Path) -> PathBuf {
 struct Temporaries(Vec<Temporary>);
 
 /// One file of a save while it is written: its temporary's path (empty once renamed), the open
-/// file, and the filesystem it is on (asked once, when it is made).
+/// file, its final length, and the filesystem it is on (asked once, when it is made).
 struct Temporary {
     path: PathBuf,
     file: Option<File>,
+    len: u64,
     kind: FsKind,
 }
 
@@ -321,6 +320,7 @@ impl Temporaries {
             temps.0.push(Temporary {
                 path: temp,
                 file: Some(file),
+                len,
                 kind,
             });
             reserved.map_err(|e| write_error(path, e))?;
@@ -330,6 +330,13 @@ impl Temporaries {
 
     fn handles(&self) -> Vec<&File> {
         self.0.iter().filter_map(|t| t.file.as_ref()).collect()
+    }
+
+    /// Each open file with its final length.
+    fn sized_handles(&self) -> Vec<(&File, u64)> {
+        (self.0.iter())
+            .filter_map(|t| Some((t.file.as_ref()?, t.len)))
+            .collect()
     }
 
     /// The filesystem file `i` is written to (a local disk where there is none).
