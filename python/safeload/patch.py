@@ -70,6 +70,8 @@ _TARGETS: Dict[str, Tuple[str, ...]] = {
     # transformers reads a whole shard with one read() on hf-mount (to avoid mapping it); patched,
     # safe_open reads network mounts with safeload's reader and never maps them.
     "transformers.modeling_utils": ("_is_on_hf_mount",),
+    # mixture-of-experts: experts bound for a fused tensor are read straight into it (_moe.py)
+    "transformers.core_model_loading": ("spawn_materialize",),
 }
 
 _lock = threading.RLock()
@@ -115,6 +117,11 @@ def _make(key: str, original: Any) -> Any:
         functools.update_wrapper(_is_on_hf_mount, original, assigned=("__module__", "__name__", "__qualname__"),
                                  updated=())
         return _is_on_hf_mount
+
+    if key == "transformers.core_model_loading.spawn_materialize":
+        from . import _moe
+
+        return _moe.spawn_for(original)
 
     if key.startswith("safetensors.torch."):
         from . import torch as impl
@@ -223,6 +230,11 @@ def _apply(loaded: Optional[Tuple[str, List[Any]]] = None) -> None:
     defined_there = loaded is not None and all(
         getattr(old, "__module__", None) == loaded[0] for old, _ in pairs.values())
     _swap(pairs, record=True, scope=loaded[1] if loaded is not None and defined_there else None)
+    core_model_loading = sys.modules.get("transformers.core_model_loading")
+    if core_model_loading is not None:
+        from . import _moe
+
+        _moe.hook(core_model_loading)
 
 
 class _Loader(importlib.abc.Loader):
@@ -307,6 +319,9 @@ def unpatch() -> None:
             if isinstance(d, dict) and key is not None and d.get(name) is _replacements.get(key):
                 d[name] = original  # leave alone what someone else replaced since
         _records.clear()
+        from . import _moe
+
+        _moe.unhook()
         # stragglers: stand-ins picked up by modules imported while patched
         pairs = {id(_replacements[k]): (_replacements[k], _originals[k]) for k in _replacements}
         _swap(pairs, record=False)

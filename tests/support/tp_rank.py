@@ -1,5 +1,5 @@
-"""One rank of an unmodified tensor-parallel ``from_pretrained`` (transformers' ``tp_plan="auto"``),
-run under ``python -m torch.distributed.run --nproc-per-node N`` on the CPU (gloo), as users load.
+"""One rank of an unmodified tensor-parallel ``from_pretrained`` (transformers' ``tp_plan="auto"``,
+or with ``--ep N`` expert parallelism: ``DistributedConfig(ep_size=N, tp_plan={})``), run under ``python -m torch.distributed.run --nproc-per-node N`` on the CPU (gloo), as users load.
 
 It writes ``OUT/rank{R}.json`` with what this rank did: seconds for ``from_pretrained`` and until
 every local parameter was used (one byte of each of their pages read, since 0.8 hands out views
@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--spy", action="store_true", help="record the slices asked (safeload only)")
     ap.add_argument("--params", action="store_true", help="save local parameters and logits")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ep", type=int, default=0,
+                    help="expert parallelism over this many ranks (DistributedConfig(ep_size=N, tp_plan={})) "
+                         "instead of tp_plan='auto'")
     args = ap.parse_args()
 
     import torch
@@ -133,9 +136,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     reads = []
+    fused = []
 
     class _Keep(logging.Handler):
         def emit(self, record):
+            if getattr(record, "safeload_fused", None) is not None:
+                fused.append(record.safeload_fused)
             got = getattr(record, "safeload_read", None)
             if got is not None and got.get("what") == "close":
                 reads.append({"path": str(got["path"]), "bytes_read": int(got["bytes_read"] or 0),
@@ -162,7 +168,13 @@ def main() -> None:
     model_dir = args.model.replace("{rank}", os.environ.get("RANK", "0"))
     io0 = _io_read_bytes()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=getattr(torch, args.dtype))
+    if args.ep:
+        from transformers import DistributedConfig
+
+        parallel = {"distributed_config": DistributedConfig(ep_size=args.ep, tp_plan={})}
+    else:
+        parallel = {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), **parallel)
     t_load = time.perf_counter() - t0
     # Use every local parameter: one byte of each page (a view of a map is read when touched).
     total = 0
@@ -186,7 +198,7 @@ def main() -> None:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "load_s": t_load, "used_s": t_used, "io_read_bytes": io,
                    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                   "reads": reads, "asked": asked, "resident": resident, "checksum": total}, f)
+                   "reads": reads, "fused": fused, "asked": asked, "resident": resident, "checksum": total}, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
