@@ -14,7 +14,9 @@ What is replaced: ``safetensors.safe_open``, ``safetensors.torch.load_file`` / `
 ``SAFELOAD_SAVE_MANIFEST=1`` each file's SHA-256 also goes into the ``SHA256SUMS`` beside it) and
 transformers' hf-mount check
 (``transformers.modeling_utils._is_on_hf_mount``, which would make transformers read a whole shard
-with one ``read()``), *and every other module attribute that is one of those objects*: names that other modules already imported (``from safetensors import
+with one ``read()``), transformers' expert fusion (``transformers.core_model_loading``'s
+``spawn_materialize`` and ``WeightConverter``'s ``add_tensor`` / ``convert``: each fused expert
+tensor made once and every expert read into its slot, see ``_moe.py``), *and every other module attribute that is one of those objects*: names that other modules already imported (``from safetensors import
 safe_open`` in ``transformers.modeling_utils``, say) are found by scanning ``sys.modules`` for
 identity and replaced too; each ``(module, name, original)`` is remembered so that
 :func:`unpatch` puts back exactly the object that was there. ``safetensors.torch`` and
