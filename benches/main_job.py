@@ -16,6 +16,8 @@ with safetensors 0.8 and with safeload:
   ltx-core's loop);
 - ``from_pretrained``: transformers' ``AutoModelForCausalLM.from_pretrained``, unmodified: stock
   against ``SAFELOAD_PATCH=1`` (the patch the startup hook applies);
+- ``MoE from_pretrained``: the same, of a second sample, a Qwen3-MoE-shaped model (one tensor per
+  expert on disk, fused by transformers at load; ``benches/moe.py`` writes it, ~0.2 GiB);
 
 and one way users save it: ``save_file`` of each shard's tensors (read into memory first) with
 ``metadata={"format": "pt"}``, as ``save_pretrained`` calls it, timed until the files and their
@@ -67,7 +69,10 @@ JOBS: Dict[str, Tuple[str, str, str]] = {
     "get_tensor loop": ("for k in keys(): get_tensor(k), default backend", "st_loop", "sl_loop"),
     "from_pretrained": ("transformers from_pretrained, unmodified: stock vs SAFELOAD_PATCH=1",
                         "fp_stock", "fp_patch"),
+    "MoE from_pretrained": ("the same of a Qwen3-MoE sample, its experts fused at load", "moe_stock", "moe_patch"),
 }
+#: the MoE sample's size (benches/moe.py) for each size of the main sample
+MOE_SIZES = {"main": "small", "small": "tiny", "tiny": "tiny"}
 #: the save row: the sample's shards written back, each synced before the clock stops
 SAVE_JOBS: Dict[str, Tuple[str, str, str]] = {
     "save_file": ("save_file(shard, metadata) for each shard, synced: 0.8 then fsync, safeload fsync=True",
@@ -165,7 +170,7 @@ def _measure(contender: str, state: str, files: List[str], from_pretrained: Call
     if state == "save":
         return _measure_save(contender, files, os.path.join(os.path.dirname(os.path.dirname(files[0])), "main-job-save"))
     out: Dict[str, Any] = {}
-    if contender == "fp_patch":
+    if contender in ("fp_patch", "moe_patch"):
         import importlib
 
         os.environ["SAFELOAD_PATCH"] = "1"
@@ -184,7 +189,7 @@ def _measure(contender: str, state: str, files: List[str], from_pretrained: Call
         if "skipped" in extra:  # O_DIRECT refused here (tmpfs, say): no limit from it
             return dict(out, **extra)
     else:
-        if contender.startswith("fp_"):
+        if contender.startswith(("fp_", "moe_")):
             result = from_pretrained()  # the model's weights, every page read (e2e.prepare)
         else:
             assert run is not None
@@ -196,9 +201,9 @@ def _measure(contender: str, state: str, files: List[str], from_pretrained: Call
     return out
 
 
-def _verify(files: List[str], from_pretrained: Callable[[], Any]) -> Dict[str, Any]:
-    """Every safeload contender's tensors against 0.8's, byte for byte; the patched model's weights
-    against the stock model's."""
+def _verify(files: List[str], from_pretrained: Callable[[], Any], moe: Callable[[], Any]) -> Dict[str, Any]:
+    """Every safeload contender's tensors against 0.8's, byte for byte; the patched models' weights
+    against the stock models'."""
     import torch
 
     def same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
@@ -208,11 +213,12 @@ def _verify(files: List[str], from_pretrained: Callable[[], Any]) -> Dict[str, A
 
     ref = bench._loader("st_get_tensors", {"files": files}, {})()
     out = {c: same(bench._loader(c, {"files": files}, {})(), ref) for _, _, c in JOBS.values() if c.startswith("sl_")}
-    stock = {k: v.clone() for k, v in from_pretrained().items()}
     import safeload
 
-    with safeload.patched():
-        out["fp_patch"] = same(from_pretrained(), stock)
+    for contender, load in (("fp_patch", from_pretrained), ("moe_patch", moe)):
+        stock = {k: v.clone() for k, v in load().items()}
+        with safeload.patched():
+            out[contender] = same(load(), stock)
     return out
 
 
@@ -253,13 +259,18 @@ def in_child(work: Callable[[], Dict[str, Any]], timeout: float = CHILD_TIMEOUT_
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def ensure_sample(data_dir: str, size: str) -> str:
-    """The sample model's directory, written (in a child) when missing."""
-    path = os.path.join(data_dir, f"main-job-llama-{size}")
+def ensure_sample(data_dir: str, size: str, kind: str = "llama") -> str:
+    """The sample model's directory (``kind`` "llama" or "moe"), written (in a child) when missing."""
+    path = os.path.join(data_dir, f"main-job-{kind}-{size}")
     if not os.path.isdir(path):
         os.makedirs(data_dir, exist_ok=True)
-        bench._log(f"writing the sample ({size}) to {path} ...")
-        res = in_child(lambda: (e2e.build_model("transformers", size, path), {"ok": True})[1])
+        bench._log(f"writing the {kind} sample ({size}) to {path} ...")
+        if kind == "moe":
+            import moe
+
+            res = in_child(lambda: (moe.write_checkpoint(path, MOE_SIZES[size]), {"ok": True})[1])
+        else:
+            res = in_child(lambda: (e2e.build_model("transformers", size, path), {"ok": True})[1])
         if "error" in res:
             raise SystemExit(f"writing the sample failed: {res['error']}")
     return path
@@ -481,13 +492,16 @@ def run(args: argparse.Namespace) -> int:
     model_dir = ensure_sample(args.data_dir, args.size)
     files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     from_pretrained = e2e.prepare("transformers", model_dir)  # the imports, the config, the class
+    moe_dir = ensure_sample(args.data_dir, args.size, "moe")
+    moe_files = sorted(os.path.join(moe_dir, n) for n in os.listdir(moe_dir) if n.endswith(".safetensors"))
+    moe_from_pretrained = e2e.prepare("transformers", moe_dir)
     import transformers
 
     transformers.logging.disable_progress_bar()  # one bar here, ours
     threads = _safeload.DEFAULT_THREADS
     bench._log(f"sample: {len(files)} shards, {sum(os.path.getsize(f) for f in files) / GIB:.2f} GiB; "
                "checking that safeload's tensors equal 0.8's ...")
-    verify = in_child(lambda: _verify(files, from_pretrained))
+    verify = in_child(lambda: _verify(files, from_pretrained, moe_from_pretrained))
     plan = []
     for state in STATES:
         contenders = [c for _, st, sl in JOBS_OF[state].values() for c in (st, sl)] + list(LIMITS[state])
@@ -496,12 +510,15 @@ def run(args: argparse.Namespace) -> int:
     runs: List[Dict[str, Any]] = []
     with tqdm.tqdm(total=len(plan), desc="measuring", unit="load", file=sys.stderr, leave=False) as bar:
         for state, rnd, contender in plan:
+            # the MoE job reads its own sample; the rest (and the limits) the main one
+            job_files, job_load = (moe_files, moe_from_pretrained) if contender.startswith("moe_") else \
+                (files, from_pretrained)
             if state == "warm":
-                bench._prewarm(files)
+                bench._prewarm(job_files)
             if args.settle > 0:
                 time.sleep(args.settle)
             bar.set_postfix_str(f"{state} r{rnd} {contender}")
-            res = in_child(functools.partial(_measure, contender, state, files, from_pretrained, threads))
+            res = in_child(functools.partial(_measure, contender, state, job_files, job_load, threads))
             res.update(state=state, round=rnd, contender=contender)
             if "error" in res:
                 tqdm.tqdm.write(f"{state} r{rnd} {contender}: {res['error']}", file=sys.stderr)

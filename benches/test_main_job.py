@@ -17,7 +17,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SVG_TEXT = "{http://www.w3.org/2000/svg}text"
-JOB_NAMES = ("load_file", "pread", "get_tensor loop", "from_pretrained")
+JOB_NAMES = ("load_file", "pread", "get_tensor loop", "from_pretrained", "MoE from_pretrained")
 
 
 def main_job() -> Any:
@@ -63,8 +63,10 @@ def test_chart_shows_ratios_and_shares_of_the_limit_per_state(tmp_path):
     mj = main_job()
     rows = [row("warm", "load_file", 79.0, 89.0, 10.0), row("warm", "pread", 4.0, 9.0, 10.0),
             row("warm", "get_tensor loop", 2.5, 8.5, 10.0), row("warm", "from_pretrained", 3.0, 6.0, 10.0),
+            row("warm", "MoE from_pretrained", 0.2, 0.7, 10.0),
             row("cold", "load_file", 0.9, 1.3, 1.6), row("cold", "pread", 1.2, 1.0, 1.6),
             row("cold", "get_tensor loop", 0.8, 1.4, 1.6), row("cold", "from_pretrained", None, 1.1, 1.6),
+            row("cold", "MoE from_pretrained", 0.2, 0.6, 1.6),
             row("save", "save_file", 0.3, 0.42, 0.45)]
     paths = mj.write_chart(rows, "safeload vs safetensors 0.8: test rows", str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == ["main-job.png", "main-job.svg"]
@@ -93,7 +95,8 @@ def test_main_job_writes_table_json_and_chart(tiny, tmp_path):
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     result = json.loads((out / "main-job.json").read_text())
-    assert result["meta"]["verify"] == {"sl_default": True, "sl_get_tensors": True, "sl_loop": True, "fp_patch": True}
+    assert result["meta"]["verify"] == {"sl_default": True, "sl_get_tensors": True, "sl_loop": True, "fp_patch": True,
+                                        "moe_patch": True}
     runs = result["runs"]
     assert all("error" not in r for r in runs), [r["error"] for r in runs if "error" in r]
     jobs = {(r["state"], r["job"]) for r in result["rows"] if r["safetensors"] and r["safeload"]}
@@ -104,10 +107,12 @@ def test_main_job_writes_table_json_and_chart(tiny, tmp_path):
     for f in shards:  # each file's data area: its size less the 8-byte length and the header
         with open(f, "rb") as fh:
             data_bytes += os.path.getsize(f) - 8 - int.from_bytes(fh.read(8), "little")
-    loads = [r for r in runs if not r["contender"].startswith("ref_") or r["state"] == "save"]
+    loads = [r for r in runs if not r["contender"].startswith(("ref_", "moe_")) or r["state"] == "save"]
     assert {r["bytes"] for r in loads} == {data_bytes}  # every tensor of every shard, each time (saves too)
+    moe_bytes = {r["bytes"] for r in runs if r["contender"].startswith("moe_")}
+    assert len(moe_bytes) == 1 and moe_bytes.pop() > 0  # stock and patched: the same parameters
     table = (out / "main-job.md").read_text()
-    assert table in p.stdout and table.count("\n| warm |") == 4 and table.count("\n| cold |") == 4
+    assert table in p.stdout and table.count("\n| warm |") == 5 and table.count("\n| cold |") == 5
     assert table.count("\n| save | save_file |") == 1
     assert_png(out / "main-job.png")
     texts = svg_texts(out / "main-job.svg")

@@ -336,3 +336,30 @@ def test_expert_parallel_ranks_read_their_experts_into_their_slice(fresh_env, tm
         share = pages * 4096
         read = sum(r["bytes_read"] for r in patched[rank]["reads"])
         assert share * 0.9 <= read <= share * 1.10, (rank, read, share)
+
+
+def test_a_verified_load_checks_the_experts_bytes(checkpoints, tmp_path, monkeypatch):
+    """``SAFELOAD_VERIFY`` with a ``SHA256SUMS`` beside the shards: the fused reads are served from
+    bytes that hashed right, and one flipped bit of an expert refuses the load."""
+    import hashlib
+
+    good = tmp_path / "good"
+    shutil.copytree(checkpoints["qwen3_moe"], good)
+    (good / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
+                                             for f in sorted(good.glob("*.safetensors"))))
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    key = "model.layers.0.mlp.experts.5.up_proj.weight"
+    shard = bad / index["weight_map"][key]
+    start, entries = header(str(shard))
+    data = bytearray(shard.read_bytes())
+    data[start + entries[key]["data_offsets"][0] + 7] ^= 1
+    shard.write_bytes(bytes(data))
+    monkeypatch.setenv("SAFELOAD_VERIFY", "strict")
+    stock, _, _ = _load(checkpoints["qwen3_moe"], patched=False)
+    ours, _, seen = _load(good, patched=True)
+    _assert_same(stock, ours)
+    assert len(seen.fused) == 2 * LAYERS
+    with pytest.raises(safeload.SafetensorError, match="SHA-256 mismatch"):
+        _load(bad, patched=True)
