@@ -26,8 +26,11 @@ errors. The result is bit-identical to stock's.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._logging import logger
@@ -36,6 +39,7 @@ from ._logging import logger
 _SPAWN_PARAMS = ("thread_pool", "tensor", "device", "dtype", "sharding_op", "tensor_idx")
 _CONVERT_PARAMS = ("self", "layer_name", "model", "config", "hf_quantizer", "loading_info")
 _ADD_PARAMS = ("self", "target_key", "source_key", "source_pattern", "future")
+_LOAD_PARAMS = ("model", "state_dict", "load_config", "disk_offload_index")
 
 _said: set = set()
 #: (core_model_loading module, original add_tensor or None, original convert) while hooked
@@ -181,37 +185,35 @@ class _Stock(Exception):
     """Why a converter goes the stock way."""
 
 
-def _fused(conv: Any) -> Any:
-    """The converter's one fused tensor, every expert read into its slot; :class:`_Stock` when it
-    must go the stock way."""
+def _fused(target: str, patterns: List[str], collected: Dict[str, List[Any]]) -> Any:
+    """The fused tensor of a converter's lists (``collected``, by source pattern), every expert read
+    into its slot; :class:`_Stock` when it must go the stock way."""
     import torch
 
     from ._frameworks import torch_dtype, torch_shape
 
-    collected: Dict[str, List[Any]] = conv.collected_tensors
-    if set(collected) != set(conv.source_patterns):
-        raise _Stock(f"{conv.target_patterns[0]}: the checkpoint has {sorted(collected)} of "
-                      f"{conv.source_patterns}")
-    lists = [collected[p] for p in conv.source_patterns]
+    if set(collected) != set(patterns):
+        raise _Stock(f"{target}: the checkpoint has {sorted(collected)} of {patterns}")
+    lists = [collected[p] for p in patterns]
     if not all(type(f) is _Pending and f.started is None for futures in lists for f in futures):
-        raise _Stock(f"{conv.target_patterns[0]}: a tensor that is not one of safeload's slices")
+        raise _Stock(f"{target}: a tensor that is not one of safeload's slices")
     first = lists[0][0]
     if first.source._owner._device is not None:
-        raise _Stock(f"{conv.target_patterns[0]}: safe_open on a device ({first.source._owner._device})")
+        raise _Stock(f"{target}: safe_open on a device ({first.source._owner._device})")
     try:
         pieces = [[p for p in map(_planned, futures) if p is not None] for futures in lists]
     except Exception as exc:  # noqa: BLE001 - whatever the sharding op does, stock does it instead
-        raise _Stock(f"{conv.target_patterns[0]}: {exc}") from exc
+        raise _Stock(f"{target}: {exc}") from exc
     flat = [p for group in pieces for p in group]
     settings = {(f.device if f.device is None else str(f.device), f.dtype) for futures in lists for f in futures}
     n = len(pieces[0])
     if not flat or any(len(g) != n for g in pieces):
-        raise _Stock(f"{conv.target_patterns[0]}: lists of unequal length")
+        raise _Stock(f"{target}: lists of unequal length")
     if len({p.code for p in flat}) != 1 or len(settings) != 1 or flat[0].code == "F4":
-        raise _Stock(f"{conv.target_patterns[0]}: experts of unequal dtype or placement")
+        raise _Stock(f"{target}: experts of unequal dtype or placement")
     inner = [[[p.rows, *p.shape[1:]] for p in g] for g in pieces]
     if any(any(s != g[0] for s in g) for g in inner) or len({tuple(g[0][1:]) for g in inner}) != 1:
-        raise _Stock(f"{conv.target_patterns[0]}: experts of unequal shape")
+        raise _Stock(f"{target}: experts of unequal shape")
     rows = [g[0][0] for g in inner]
     rest = inner[0][0][1:]
     code = flat[0].code
@@ -227,9 +229,9 @@ def _fused(conv: Any) -> Any:
         row_offset += height
     for handle, wanted in ranges.values():
         handle.read_ranges(wanted)
-    logger.debug("experts fused: %s %s from %d tensors in %d files", conv.target_patterns[0], list(fused.shape),
-                 len(flat), len(ranges), extra={"safeload_fused": {"target": conv.target_patterns[0],
-                                                                   "shape": list(fused.shape), "tensors": len(flat)}})
+    logger.debug("experts fused: %s %s from %d tensors in %d files", target, list(fused.shape), len(flat),
+                 len(ranges), extra={"safeload_fused": {"target": target, "shape": list(fused.shape),
+                                                        "tensors": len(flat)}})
     device, dtype = next(iter(settings))
     if device is not None or dtype is not None:
         fused = fused.to(device=device, dtype=dtype)
@@ -244,25 +246,126 @@ def _bytes_per_row(piece: _Piece, fused: Any) -> int:
     return count * fused.element_size()
 
 
+# -- reading ahead of transformers ----------------------------------------------------------
+
+
+class _Load:
+    """One ``convert_and_load_state_dict_in_model``: converters whose lists are complete are read
+    on a thread of their own while transformers goes on renaming and queueing the keys after them
+    (its first loop spends about as long in Python as the experts' reads take). Keys come sorted
+    (``dot_natural_key``), so a converter is complete once the next one of its kind opens (the next
+    layer's), and every one once the first ``convert`` is asked. What was read is used only if the
+    converter's lists are still exactly those it was read from."""
+
+    def __init__(self, quantized: bool) -> None:
+        self.quantized = quantized  # a quantizer may convert the experts: nothing read ahead
+        self.open: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], Any] = {}
+        self.started: Dict[int, Tuple[Any, Dict[str, List[Any]], Future]] = {}
+        self.worker: Optional[ThreadPoolExecutor] = None
+
+    def opened(self, conv: Any) -> None:
+        """``conv`` was given a tensor: the converter of its kind before it is complete."""
+        kind = (tuple(conv.source_patterns), tuple(conv.target_patterns))
+        previous = self.open.get(kind)
+        if previous is not conv:
+            self.open[kind] = conv
+            if previous is not None:
+                self.start(previous)
+
+    def flush(self) -> None:
+        """The first loop is over: every converter is complete."""
+        for conv in self.open.values():
+            self.start(conv)
+        self.open.clear()
+
+    def start(self, conv: Any) -> None:
+        if self.quantized or id(conv) in self.started:
+            return
+        snapshot = {p: list(futures) for p, futures in conv.collected_tensors.items()}
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="safeload-experts")
+        future = self.worker.submit(_fused, conv.target_patterns[0], list(conv.source_patterns), snapshot)
+        self.started[id(conv)] = (conv, snapshot, future)
+
+    def take(self, conv: Any) -> Optional[Any]:
+        """The fused tensor read ahead for ``conv`` (or its error), or None when none was, or its
+        lists changed since."""
+        got = self.started.pop(id(conv), None)
+        if got is None:
+            return None
+        _, snapshot, future = got
+        now = conv.collected_tensors
+        if set(now) != set(snapshot) or any(len(now[p]) != len(v) or any(a is not b for a, b in zip(now[p], v))
+                                            for p, v in snapshot.items()):
+            with contextlib.suppress(Exception):
+                future.result()  # read from lists that grew since: not used
+            return None
+        return future.result()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown(wait=True, cancel_futures=True)
+
+
+_local = threading.local()
+
+
+def _current() -> Optional[_Load]:
+    return getattr(_local, "load", None)
+
+
+def load_for(original: Any) -> Any:
+    """The patch's stand-in for ``core_model_loading.convert_and_load_state_dict_in_model``: the
+    original, within a :class:`_Load` (the original itself when this transformers' loader is not
+    the one this module knows)."""
+    import sys
+
+    why = supported(sys.modules["transformers.core_model_loading"])
+    if why is not None:
+        return original
+
+    @functools.wraps(original)
+    def convert_and_load_state_dict_in_model(model: Any, state_dict: Any, load_config: Any,
+                                             disk_offload_index: Any = None) -> Any:
+        outer = _current()
+        load = _local.load = _Load(getattr(load_config, "hf_quantizer", None) is not None)
+        try:
+            return original(model, state_dict, load_config, disk_offload_index)
+        finally:
+            _local.load = outer
+            load.close()
+
+    return convert_and_load_state_dict_in_model
+
+
 # -- the hooks ------------------------------------------------------------------------------
 
 
 def _hooks(cml: Any, add_original: Any, convert_original: Any) -> Tuple[Any, Any]:
     def add_tensor(self: Any, target_key: str, source_key: str, source_pattern: str, future: Any) -> Any:
-        if type(future) is _Pending and _family(self, cml) is None:
-            future = future.start()
+        if type(future) is _Pending:
+            load = _current()
+            if _family(self, cml) is None:
+                future = future.start()
+            elif load is not None:
+                load.opened(self)
         return add_original(self, target_key, source_key, source_pattern, future)
 
     def convert(self: Any, layer_name: str, model: Any = None, config: Any = None, hf_quantizer: Any = None,
                 loading_info: Any = None) -> Any:
-        family = _family(self, cml)
+        load = _current()
+        if load is not None:
+            load.flush()
         fused = None
-        if family is not None and any(type(f) is _Pending for fs in self.collected_tensors.values() for f in fs):
+        if _family(self, cml) is not None and any(type(f) is _Pending for fs in self.collected_tensors.values()
+                                                  for f in fs):
             if hf_quantizer is not None:
                 _debug(f"a quantizer ({type(hf_quantizer).__name__}) converts the experts")
             else:
                 try:
-                    fused = _fused(self)
+                    fused = load.take(self) if load is not None else None
+                    if fused is None:
+                        fused = _fused(self.target_patterns[0], self.source_patterns, self.collected_tensors)
                 except _Stock as why:
                     _debug(str(why))
         if fused is None:
@@ -295,11 +398,13 @@ def _names(fn: Any) -> Tuple[str, ...]:
 
 def supported(cml: Any) -> Optional[str]:
     """None when ``transformers.core_model_loading`` is the loader this module knows; else why not."""
-    for name in ("spawn_materialize", "WeightConverter", "WeightTransform", "MergeModulelist", "Concatenate"):
+    for name in ("spawn_materialize", "convert_and_load_state_dict_in_model", "WeightConverter", "WeightTransform",
+                 "MergeModulelist", "Concatenate"):
         if not hasattr(cml, name):
             return f"transformers' core_model_loading has no {name}"
     checks = ((cml.spawn_materialize, _SPAWN_PARAMS), (cml.WeightConverter.convert, _CONVERT_PARAMS),
-              (cml.WeightConverter.add_tensor, _ADD_PARAMS))
+              (cml.WeightConverter.add_tensor, _ADD_PARAMS),
+              (cml.convert_and_load_state_dict_in_model, _LOAD_PARAMS))
     for fn, params in checks:
         if _names(getattr(fn, "__wrapped__", fn)) != params:
             return f"transformers' {getattr(fn, '__qualname__', fn)} is not the one safeload knows"

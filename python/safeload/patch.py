@@ -73,7 +73,7 @@ _TARGETS: Dict[str, Tuple[str, ...]] = {
     # safe_open reads network mounts with safeload's reader and never maps them.
     "transformers.modeling_utils": ("_is_on_hf_mount",),
     # mixture-of-experts: experts bound for a fused tensor are read straight into it (_moe.py)
-    "transformers.core_model_loading": ("spawn_materialize",),
+    "transformers.core_model_loading": ("spawn_materialize", "convert_and_load_state_dict_in_model"),
 }
 
 _lock = threading.RLock()
@@ -124,6 +124,11 @@ def _make(key: str, original: Any) -> Any:
         from . import _moe
 
         return _moe.spawn_for(original)
+
+    if key == "transformers.core_model_loading.convert_and_load_state_dict_in_model":
+        from . import _moe
+
+        return _moe.load_for(original)
 
     if key.startswith("safetensors.torch."):
         from . import torch as impl
