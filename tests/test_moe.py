@@ -153,6 +153,28 @@ def test_experts_fused_on_disk_are_read_as_slices(checkpoints):
     assert seen.fused == []  # no converter: transformers' own slices, read by safeload
 
 
+def test_a_read_ahead_of_lists_that_grew_since_is_not_used(checkpoints, monkeypatch):
+    """Each converter is read ahead as soon as it holds its first expert (too early: its lists
+    grow after): those reads are dropped and each fused tensor is made again from its whole lists."""
+    from safeload import _moe
+
+    started = []
+
+    def too_early(self, conv):  # called before the tensor is added: at the second, the list holds one
+        if id(conv) in started:
+            self.start(conv)
+        started.append(id(conv))
+
+    monkeypatch.setattr(_moe._Load, "opened", too_early)
+    stock, _, _ = _load(checkpoints["qwen3_moe"], patched=False)
+    ours, _, seen = _load(checkpoints["qwen3_moe"], patched=True)
+    _assert_same(stock, ours)
+    assert len(set(started)) == 2 * LAYERS
+    # down_proj read from its first expert alone (gate_up's first lists lack up_proj: not read),
+    # dropped, and every fused tensor made again from every expert
+    assert sorted(f["tensors"] for f in seen.fused) == [1] * LAYERS + [EXPERTS] * LAYERS + [EXPERTS * 2] * LAYERS
+
+
 def test_an_unrecognised_converter_goes_the_stock_way(checkpoints, monkeypatch):
     """A converter of another kind (here a subclass of MergeModulelist, as a model or quantizer
     may bring) is left to transformers: equal results, one DEBUG line saying why not."""

@@ -11,12 +11,16 @@ concatenated: three copies, a layer's experts alive twice. Here, for exactly tho
   :class:`_Pending` that holds transformers' own job, not started;
 - ``WeightConverter.add_tensor`` starts it at once (on transformers' pool, as stock) unless the
   converter is one this module fuses;
-- ``WeightConverter.convert`` of such a converter asks transformers' own sharding op which
-  experts this rank owns and which part of each it keeps (expert and tensor parallelism), makes
-  the fused tensor once and reads every expert's byte range into its final offset with one
+- such a converter's fused tensor is made by asking transformers' own sharding op which experts
+  this rank owns and which part of each it keeps (expert and tensor parallelism), allocating the
+  fused tensor once and reading every expert's byte range into its final offset with one
   ``read_ranges`` per file (the Rust reader: offset-ordered, parallel, GIL released). A dtype or
   device other than the file's is applied to the fused tensor once (``.to``, element by
-  element as stock's per-expert ``.to``).
+  element as stock's per-expert ``.to``);
+- that read runs ahead of transformers, on two threads of a :class:`_Load` (one per
+  ``convert_and_load_state_dict_in_model``), as soon as the converter's lists are complete, while
+  transformers' first loop goes on renaming and queueing keys; ``WeightConverter.convert`` takes
+  its result (or makes it, when it was not read ahead).
 
 Anything else (another converter, a quantizer, synchronous loading, disk offload, a device
 handle, a piece that is not whole rows, experts of unequal shape or dtype, a transformers whose
@@ -95,19 +99,18 @@ def _spawn(original: Any) -> Any:
 # -- which converters are fused --------------------------------------------------------------
 
 
-def _family(conv: Any, cml: Any) -> Optional[str]:
-    """"stack" (``MergeModulelist(dim=0)`` of one list) or "stack+cat" (then ``Concatenate(dim=1)``
-    of its lists) for a plain converter transformers ships for MoE experts; None otherwise."""
+def _fusable(conv: Any, cml: Any) -> bool:
+    """Whether ``conv`` is a plain converter transformers ships for MoE experts: one list stacked
+    (``MergeModulelist(dim=0)``: down_proj, w2), or several stacked, then concatenated
+    (``Concatenate(dim=1)``: gate and up, w1 and w3), into one target, with no quantizer's op."""
     if type(conv) is not cml.WeightConverter or conv.quantization_operation is not None:
-        return None
-    ops = conv.operations
+        return False
+    ops, sources = conv.operations, len(conv.source_patterns)
     if len(conv.target_patterns) != 1 or not ops or type(ops[0]) is not cml.MergeModulelist or ops[0].dim != 0:
-        return None
-    if len(ops) == 1 and len(conv.source_patterns) == 1:
-        return "stack"
-    if len(ops) == 2 and type(ops[1]) is cml.Concatenate and ops[1].dim == 1:
-        return "stack+cat"
-    return None
+        return False
+    if len(ops) == 1:
+        return sources == 1
+    return len(ops) == 2 and sources >= 2 and type(ops[1]) is cml.Concatenate and ops[1].dim == 1
 
 
 # -- the plan: what each expert gives, where it goes -----------------------------------------
@@ -345,7 +348,7 @@ def _hooks(cml: Any, add_original: Any, convert_original: Any) -> Tuple[Any, Any
     def add_tensor(self: Any, target_key: str, source_key: str, source_pattern: str, future: Any) -> Any:
         if type(future) is _Pending:
             load = _current()
-            if _family(self, cml) is None:
+            if not _fusable(self, cml):
                 future = future.start()
             elif load is not None:
                 load.opened(self)
@@ -357,7 +360,7 @@ def _hooks(cml: Any, add_original: Any, convert_original: Any) -> Tuple[Any, Any
         if load is not None:
             load.flush()
         fused = None
-        if _family(self, cml) is not None and any(type(f) is _Pending for fs in self.collected_tensors.values()
+        if _fusable(self, cml) and any(type(f) is _Pending for fs in self.collected_tensors.values()
                                                   for f in fs):
             if hf_quantizer is not None:
                 _debug(f"a quantizer ({type(hf_quantizer).__name__}) converts the experts")
