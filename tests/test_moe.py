@@ -14,6 +14,7 @@ truncated shard) give what stock gives. No timing is asserted.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -128,6 +129,7 @@ def test_experts_read_into_their_fused_tensors_equal_stock(checkpoints, kind):
     ours, info, seen = _load(checkpoints[kind], patched=True)
     _assert_same(stock, ours)
     assert info == stock_info
+    assert gc.isenabled()  # paused during transformers' loop, and on again after
     # every layer's gate_up_proj and down_proj made by safeload, from every expert's tensors
     assert sorted(f["target"] for f in seen.fused) == sorted(
         [".experts.gate_up_proj" if kind == "mixtral" else "mlp.experts.gate_up_proj"] * LAYERS
