@@ -37,7 +37,7 @@ ROOT = os.path.dirname(HERE)
 RANK_SCRIPT = os.path.join(ROOT, "tests", "support", "tp_rank.py")
 sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
-from tp_rank import header, touched_pages  # noqa: E402
+from tp_rank import evict, header, touched_pages  # noqa: E402
 
 #: size -> (hidden, intermediate, layers, vocab): Llama-shaped, bf16
 SIZES = {"full": (4096, 11008, 4, 16000), "small": (1024, 2816, 4, 32000)}
@@ -85,16 +85,6 @@ def write_checkpoint(folder: str, size: str, shard_bytes: int = 500 << 20) -> No
 
 def files_of(folder: str) -> List[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
-
-
-def evict(folder: str) -> None:
-    for path in files_of(folder):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def warm(folder: str) -> None:

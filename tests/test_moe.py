@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,10 +31,9 @@ from safetensors.torch import load_file as st_load, save_file as st_save  # noqa
 import safeload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-RANK_SCRIPT = HERE / "support" / "tp_rank.py"
 sys.path.insert(0, str(HERE / "support"))
 
-from tp_rank import header, touched_pages  # noqa: E402
+from tp_rank import evict, header, run_ranks, touched_pages  # noqa: E402
 
 LAYERS = 2
 EXPERTS = 8
@@ -304,24 +302,6 @@ def test_a_truncated_shard_is_an_error_as_stock(checkpoints, tmp_path):
 # -- expert parallelism: 2 gloo ranks -------------------------------------------------------------
 
 
-def _evict(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _ranks(python: str, env: dict, model: str, out: Path, *flags: str) -> list:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(RANK_SCRIPT), model, str(out), "--params", *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
-
-
 def _assert_ranks_same(tmp_path: Path, stock: list) -> None:
     """Each rank's parameters and logits, patched, equal stock's."""
     assert all(r["fused"] == [] for r in stock)
@@ -348,8 +328,8 @@ def test_a_tensor_parallel_moe_load_equals_stock(fresh_env, tmp_path):
     shutil.copytree(tmp_path / "copy0", tmp_path / "copy1")
     env = {**fresh_env["env"], "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     model = str(tmp_path / "copy{rank}")
-    stock = _ranks(fresh_env["python"], env, model, tmp_path / "stock")
-    patched = _ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch")
+    stock = run_ranks(fresh_env["python"], env, model, tmp_path / "stock")
+    patched = run_ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch")
     _assert_ranks_same(tmp_path, stock)
     assert all(len(r["fused"]) == 2 * LAYERS for r in patched)
 
@@ -360,10 +340,10 @@ def test_expert_parallel_ranks_read_their_experts_into_their_slice(fresh_env, tm
         _qwen3_moe(tmp_path / f"copy{k}", shard="1MB")
     env = {**fresh_env["env"], "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     model = str(tmp_path / "copy{rank}")
-    stock = _ranks(fresh_env["python"], env, model, tmp_path / "stock", "--ep", "2")
+    stock = run_ranks(fresh_env["python"], env, model, tmp_path / "stock", "--ep", "2")
     for k in range(2):  # cold: what the kernel reads is what the rank asked for
-        _evict(tmp_path / f"copy{k}")
-    patched = _ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch", "--ep", "2")
+        evict(tmp_path / f"copy{k}")
+    patched = run_ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch", "--ep", "2")
     _assert_ranks_same(tmp_path, stock)
     for rank in range(2):
         fused = patched[rank]["fused"]

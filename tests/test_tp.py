@@ -16,10 +16,8 @@ that crosses untouched pages, fails it. No timing is asserted.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,20 +25,9 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-RANK_SCRIPT = HERE / "support" / "tp_rank.py"
 sys.path.insert(0, str(HERE / "support"))
 
-from tp_rank import header, touched_pages  # noqa: E402
-
-
-def _evict(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from tp_rank import evict, header, run_ranks, touched_pages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,21 +49,13 @@ def tiny_llama(tmp_path_factory):
     return root
 
 
-def _ranks(python: str, env: dict, model: str, out: Path, *flags: str) -> list:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(RANK_SCRIPT), model, str(out), "--params", *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
-
-
 def test_each_rank_reads_the_pages_of_its_slices(fresh_env, tiny_llama, tmp_path):
     env = {**fresh_env["env"], "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     model = str(tiny_llama / "copy{rank}")
-    _ranks(fresh_env["python"], env, model, tmp_path / "stock")
+    run_ranks(fresh_env["python"], env, model, tmp_path / "stock")
     for k in range(2):
-        _evict(tiny_llama / f"copy{k}")
-    patched = _ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch", "--spy")
+        evict(tiny_llama / f"copy{k}")
+    patched = run_ranks(fresh_env["python"], {**env, "SAFELOAD_PATCH": "1"}, model, tmp_path / "patch", "--spy")
 
     for rank, got in enumerate(patched):
         stock = torch.load(tmp_path / "stock" / f"rank{rank}.pt")

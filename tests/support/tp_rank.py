@@ -29,6 +29,37 @@ def _io_read_bytes() -> int:
     return 0
 
 
+def evict(folder) -> None:
+    """Every ``*.safetensors`` of ``folder`` synced (dirty pages cannot be dropped) and dropped
+    from the page cache (``POSIX_FADV_DONTNEED``): the next load reads it cold."""
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_ranks(python: str, env: dict, model: str, out, *flags: str) -> list:
+    """This script on 2 gloo ranks (``--params`` and ``flags``) under ``python -m
+    torch.distributed.run``; each rank's record. For tests: a failed run is an AssertionError with
+    its output."""
+    import subprocess
+
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.abspath(__file__), model, str(out), "--params", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    records = []
+    for k in range(2):
+        with open(os.path.join(out, f"rank{k}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
 def _key_repr(key):
     """A slicing key as JSON: a list of [start, stop, step] / int / "..." per index."""
     items = key if isinstance(key, tuple) else (key,)
