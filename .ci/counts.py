@@ -6,7 +6,8 @@
 Code lines per language (not blank, not only a comment), the longest file and function of each
 (functions outside Rust test modules; Python docstrings not counted), the files at the top of
 src/, the places outside the storage layer (src/storage/) that ask whether bytes are remote
-or a path is a URL, and the places outside the read plan (src/read/strategy.rs) and the code that
+or a path is a URL or name a kind of storage (a `Backing` variant, a store's object: issue 69;
+any is an error, exit status 1), and the places outside the read plan (src/read/strategy.rs) and the code that
 executes it (src/read/source/: maps or reads as the plan says) that choose how to read: compare a
 strategy or backend, or call the plan's rules themselves instead of asking the checkpoint's plan
 (and, in the Python package, compare backend names)."""
@@ -39,7 +40,26 @@ def functions(root: pathlib.Path) -> list:
     return [(int(r[0]), r[1], r[2]) for r in rows if len(r) >= 3]
 
 
-def main() -> None:
+#: Naming a kind of storage: a `Backing` variant (matched or made), a store's object, a read of
+#: one. Above src/storage/ code asks a backing what it can do and reads through its `Reader`.
+STORAGE_KIND = re.compile(r"\bBacking::(File|Remote)\b|\bremote::Object\b|\bObject::|\bread_remote\b")
+
+
+def storage_kinds(root: pathlib.Path) -> list:
+    """`src/FILE:LINE` of every line outside src/storage/ that names a kind of storage (tests'
+    modules included: they make their backings through what storage offers, `Backing::from`)."""
+    found = []
+    for f in sorted((root / "src").rglob("*.rs")):
+        rel = f.relative_to(root / "src")
+        if rel.parts[0] == "storage":
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if STORAGE_KIND.search(line) and not line.strip().startswith("//"):
+                found.append(f"src/{rel.as_posix()}:{i}")
+    return found
+
+
+def main() -> int:
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     rust = sorted((root / "src").rglob("*.rs"))
     py = sorted((root / "python" / "safeload").glob("*.py"))
@@ -63,6 +83,8 @@ def main() -> None:
             if re.search(r"\bis_remote\(|\bis_url\(", line) and "fn is_" not in line and not line.strip().startswith("//"):
                 asks.append(f"src/{rel}:{i}")
     print(f"outside the storage layer, asking remote / URL: {len(asks)}: {' '.join(asks)}")
+    kinds = storage_kinds(root)
+    print(f"outside the storage layer, naming a kind of storage: {len(kinds)}: {' '.join(kinds)}")
     choosing = re.compile(r"[!=]= *(Strategy|Backend)::|(Strategy|Backend)::\w+(\(\w*\))? *=>|matches!\(.*(Strategy|Backend)::"
                           r"|\b(choose|for_purpose|populate_ahead|resolve_measured)\(|Mode::ahead\(")
     chooses = []
@@ -81,7 +103,8 @@ def main() -> None:
             if names.search(line) and not line.strip().startswith("#"):
                 chooses.append(f"{f.relative_to(root)}:{i}")
     print(f"outside the read plan and its executor, choosing how to read: {len(chooses)}: {' '.join(chooses)}")
+    return 1 if asks or kinds else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -279,3 +279,31 @@ def test_each_layer_uses_only_the_layers_beneath_it() -> None:
 
 def test_no_import_circles_in_the_crate() -> None:
     assert cycles(crate_graph()) == []
+
+
+def _counts():
+    """`.ci/counts.py` as a module (its checks of where code may name a kind of storage)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ci_counts", ROOT / ".ci" / "counts.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_nothing_above_the_storage_layer_names_a_kind_of_storage(tmp_path) -> None:
+    """The reader reads through storage's `Reader` whatever holds the bytes (issue 69): no
+    `Backing::File` / `Backing::Remote`, no store's object, outside src/storage/; and the check
+    finds one where it is."""
+    counts = _counts()
+    assert counts.storage_kinds(ROOT) == []
+    crate = tmp_path / "src"
+    (crate / "read").mkdir(parents=True)
+    (crate / "storage").mkdir()
+    (crate / "storage" / "backing.rs").write_text("pub enum Backing { File(File), Remote(Object) }\n")
+    (crate / "read" / "engine.rs").write_text(
+        "fn read(b: &Backing) {\n    // Backing::Remote in a comment is no use\n"
+        "    match b {\n        Backing::File(f) => f,\n"
+        "        Backing::Remote(o) => return read_remote(o),\n    }\n}\n")
+    assert counts.storage_kinds(tmp_path) == ["src/read/engine.rs:4", "src/read/engine.rs:5"]

@@ -9,7 +9,6 @@
 //! finished chunk's file bytes, from its destinations, or from the worker's buffer where they
 //! were converted; nothing is read twice.
 
-use std::fs::File;
 use std::io::{self, IoSliceMut};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,7 +22,7 @@ use crate::read::counts::ReadCounts;
 use crate::read::filehash::{Ordered, Raw, Slot};
 use crate::read::plan::{Chunk, ChunkPlan, Segment, Transform, distribute};
 use crate::read::strategy;
-use crate::storage::backing::{self, Backing, ended_early};
+use crate::storage::backing::{self, Backing, Reader, ended_early};
 
 /// How often the waiting thread calls `poll`.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -49,32 +48,11 @@ pub struct Settings {
     pub inline: bool,
 }
 
-/// The files a worker reads: shared descriptors, or its own ones opened on first use.
-struct Files<'a> {
-    inputs: &'a [Input<'a>],
-    own_fds: bool,
-    fds: Vec<Option<File>>,
-}
-
-impl<'a> Files<'a> {
-    /// Input `i`'s file for buffered reads: `shared` (the source's), or the worker's own.
-    fn buffered(&mut self, i: usize, shared: &'a File) -> &File {
-        let input = &self.inputs[i];
-        if !self.own_fds {
-            return shared;
-        }
-        if self.fds[i].is_none() {
-            // A path swapped for a FIFO since the source opened it is refused, not waited on.
-            self.fds[i] = platform::open_regular(input.path).ok();
-        }
-        self.fds[i].as_ref().unwrap_or(shared)
-    }
-}
-
-/// One worker's resources: its files, its bounce buffer for aligned uncached reads and its
-/// scratch buffer for chunks that convert.
+/// One worker's resources: its reader of each input, its bounce buffer for aligned uncached reads
+/// and its scratch buffer for chunks that convert.
 struct Worker<'a> {
-    files: Files<'a>,
+    inputs: &'a [Input<'a>],
+    readers: Vec<Reader<'a>>,
     bounce: Option<Region>,
     scratch: Vec<u8>,
     direct_refused: &'a AtomicBool,
@@ -90,11 +68,10 @@ impl<'a> Worker<'a> {
         stop: &'a AtomicBool,
     ) -> Self {
         Worker {
-            files: Files {
-                inputs,
-                own_fds,
-                fds: inputs.iter().map(|_| None).collect(),
-            },
+            inputs,
+            readers: (inputs.iter())
+                .map(|i| i.backing.reader(i.path, own_fds))
+                .collect(),
             bounce: None,
             scratch: Vec::new(),
             direct_refused,
@@ -131,24 +108,22 @@ impl<'a> Worker<'a> {
     }
 
     /// A read that hashes keeps to the cores its hashes leave (one reader on two cores): before
-    /// each chunk it asks the page cache for the next one of the same file, so the disk reads on
-    /// while this reader waits for the chunk in hand. Buffered files only (an uncached read
-    /// would read it again).
+    /// each chunk it asks the storage for the next one of the same input, so the disk reads on
+    /// while this reader waits for the chunk in hand. Not for uncached reads (they would read it
+    /// again).
     fn ask_ahead(&mut self, plan: &ChunkPlan<'_>, index: usize) {
         let (chunk, next) = (&plan.chunks[index], plan.chunks.get(index + 1));
         let Some(next) = next.filter(|n| n.file == chunk.file) else {
             return;
         };
-        let input = &self.files.inputs[chunk.file];
-        if let (Backing::File(shared), None) = (input.backing, input.direct) {
-            let file = self.files.buffered(chunk.file, shared);
-            platform::prefetch(file, next.offset, next.len as u64);
+        if self.inputs[chunk.file].direct.is_none() {
+            self.readers[chunk.file].ask_ahead(next.offset, next.len as u64);
         }
     }
 
     /// Reads one chunk into its destinations; returns where its file bytes are.
     fn read_raw(&mut self, plan: &ChunkPlan<'_>, chunk: &Chunk) -> Result<RawAt> {
-        let input = &self.files.inputs[chunk.file];
+        let input = &self.inputs[chunk.file];
         let segments = &plan.segments[chunk.segments.clone()];
         let to_error = |(done, source): (usize, io::Error)| Error::Read {
             path: input.path.to_path_buf(),
@@ -156,99 +131,73 @@ impl<'a> Worker<'a> {
             offset: chunk.offset + done as u64,
             source,
         };
-        // (One arm without the `remote` feature: a file is all a backing can be then.)
-        #[cfg_attr(not(feature = "remote"), allow(clippy::infallible_destructuring_match))]
-        let shared = match input.backing {
-            Backing::File(file) => file,
-            #[cfg(feature = "remote")]
-            Backing::Remote(object) => {
-                return self.read_remote(object, chunk, segments).map_err(to_error);
-            }
-        };
         let direct = input
             .direct
             .filter(|_| !self.direct_refused.load(Ordering::Relaxed));
-        let result = match direct.map(|d| self.read_chunk(Some(d), shared, chunk, segments)) {
+        let result = match direct.map(|d| self.read_chunk(Some(d), chunk, segments)) {
             // The filesystem refuses uncached reads: buffered from now on, for every worker.
             Some(Err((_, e))) if platform::uncached_refused(&e) => {
                 self.direct_refused.store(true, Ordering::Relaxed);
-                self.read_chunk(None, shared, chunk, segments)
+                self.read_chunk(None, chunk, segments)
             }
             Some(done) => done,
-            None => self.read_chunk(None, shared, chunk, segments),
+            None => self.read_chunk(None, chunk, segments),
         };
         result.map_err(to_error)
     }
 
-    /// Reads one chunk of an object in a store: one ranged GET (resumed where it fails) straight
-    /// into the segments, or into the scratch buffer when a segment converts.
-    #[cfg(feature = "remote")]
-    fn read_remote(
-        &mut self,
-        object: &crate::storage::remote::Object,
-        chunk: &Chunk,
-        segments: &[Segment],
-    ) -> IoResult<RawAt> {
-        if segments.iter().all(|s| s.transform == Transform::Copy) {
-            let mut dests: Vec<&mut [u8]> = segments
-                .iter()
-                // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
-                .map(|s| unsafe { s.dest_mut() })
-                .collect();
-            prefault(dests.iter_mut().map(|d| (d.as_mut_ptr(), d.len())));
-            object.read_into(chunk.offset, &mut dests, self.stop)?;
-            return Ok(RawAt::Dests);
-        }
-        if self.scratch.len() < chunk.len {
-            self.scratch.resize(chunk.len, 0);
-        }
-        let bytes = &mut self.scratch[..chunk.len];
-        object.read_into(chunk.offset, &mut [&mut *bytes], self.stop)?;
-        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
-        unsafe { distribute(bytes, segments) }?;
-        Ok(RawAt::Scratch)
-    }
-
     /// Reads one chunk: straight into its segments when nothing converts and the handle has no
     /// alignment rule; else its bytes into a worker buffer first, then copied or converted out.
+    /// Through `direct` (the file opened to read around the page cache) where given, else
+    /// through the input's reader (the page cache, or a store's ranged GETs).
     fn read_chunk(
         &mut self,
         direct: Option<&Uncached>,
-        shared: &'a File,
         chunk: &Chunk,
         segments: &[Segment],
     ) -> IoResult<RawAt> {
         let aligned = direct.is_some_and(|d| d.align > 1);
         let converts = segments.iter().any(|s| s.transform != Transform::Copy);
         if !aligned && !converts {
-            let file = match direct {
-                Some(d) => &d.file,
-                None => {
-                    let file = self.files.buffered(chunk.file, shared);
-                    // Asked of the page cache first: the disk reads the chunk while this thread
-                    // maps its destination pages, rather than the two taking turns.
-                    platform::prefetch(file, chunk.offset, chunk.len as u64);
-                    file
+            let mut bufs: Vec<IoSliceMut<'_>> = segments
+                .iter()
+                // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
+                .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
+                .collect();
+            match direct {
+                Some(d) => {
+                    prefault(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
+                    backing::read_exact_into(&d.file, chunk.offset, &mut bufs)?;
                 }
-            };
-            preadv_exact(file, chunk.offset, segments)?;
+                None => {
+                    let reader = &mut self.readers[chunk.file];
+                    // Asked ahead first: the storage reads the chunk while this thread maps its
+                    // destination pages, rather than the two taking turns.
+                    reader.ask_ahead(chunk.offset, chunk.len as u64);
+                    prefault(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
+                    reader.read_exact_into(chunk.offset, &mut bufs, self.stop)?;
+                }
+            }
             return Ok(RawAt::Dests);
+        }
+        if self.scratch.len() < chunk.len {
+            self.scratch.resize(chunk.len, 0);
         }
         let (bytes, at) = match direct {
             Some(d) if aligned => {
                 let head = (chunk.offset % d.align) as usize;
-                (self.read_aligned(d, shared, chunk)?, RawAt::Bounce { head })
+                (self.read_aligned(d, chunk)?, RawAt::Bounce { head })
             }
-            Some(d) => (
-                read_into_scratch(&mut self.scratch, &d.file, chunk)?,
-                RawAt::Scratch,
-            ),
-            None => {
-                let file = self.files.buffered(chunk.file, shared);
-                (
-                    read_into_scratch(&mut self.scratch, file, chunk)?,
-                    RawAt::Scratch,
-                )
+            _ => {
+                let buf = &mut self.scratch[..chunk.len];
+                let bufs = &mut [IoSliceMut::new(buf)];
+                match direct {
+                    Some(d) => backing::read_exact_into(&d.file, chunk.offset, bufs)?,
+                    None => {
+                        (self.readers[chunk.file]).read_exact_into(chunk.offset, bufs, self.stop)?
+                    }
+                }
+                (&self.scratch[..chunk.len], RawAt::Scratch)
             }
         };
         // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
@@ -259,7 +208,7 @@ impl<'a> Worker<'a> {
 
     /// Reads the aligned span around the chunk uncached into the worker's bounce buffer; returns
     /// the chunk's own bytes once the file is confirmed to still cover them.
-    fn read_aligned(&mut self, direct: &Uncached, shared: &'a File, chunk: &Chunk) -> IoBytes<'_> {
+    fn read_aligned(&mut self, direct: &Uncached, chunk: &Chunk) -> IoBytes<'_> {
         let align = direct.align;
         let start = chunk.offset / align * align;
         let end = (chunk.offset + chunk.len as u64).next_multiple_of(align);
@@ -287,30 +236,16 @@ impl<'a> Worker<'a> {
             if got < need && !(got as u64).is_multiple_of(align) {
                 // An unaligned short read cannot be continued uncached: the rest buffered.
                 let from = got.max(head);
-                let file = self.files.buffered(chunk.file, shared);
-                let rest = &mut bounce[from..need];
-                let at = start + from as u64;
-                let n = platform::read_fully_at(file, rest, at).map_err(|e| (from - head, e))?;
-                if n < rest.len() {
-                    return Err((from - head + n, ended_early(rest.len() - n)));
-                }
+                let rest = &mut [IoSliceMut::new(&mut bounce[from..need])];
+                (self.readers[chunk.file])
+                    .read_exact_into(start + from as u64, rest, self.stop)
+                    .map_err(|(n, e)| (from - head + n, e))?;
                 break;
             }
         }
         backing::confirm_covered(&direct.file, chunk.offset, chunk.len)?;
         Ok(&bounce[head..need])
     }
-}
-
-/// Reads a chunk's bytes into `scratch` (grown as needed; [`backing::read_exact_at`]); returns
-/// them.
-fn read_into_scratch<'s>(scratch: &'s mut Vec<u8>, file: &File, chunk: &Chunk) -> IoBytes<'s> {
-    if scratch.len() < chunk.len {
-        scratch.resize(chunk.len, 0);
-    }
-    let buf = &mut scratch[..chunk.len];
-    backing::read_exact_at(file, buf, chunk.offset)?;
-    Ok(buf)
 }
 
 /// Where a chunk's file bytes are once it is read (what its hash is computed from).
@@ -439,32 +374,6 @@ fn tensor_at(segments: &[Segment], mut pos: usize) -> usize {
     segments.last().map_or(0, |s| s.tensor)
 }
 
-/// Fills every segment from `offset` on, retrying short reads and EINTR; then confirms the file
-/// still covers them ([`backing::confirm_covered`]). On failure returns how many bytes were read
-/// before it.
-fn preadv_exact(file: &File, offset: u64, segments: &[Segment]) -> IoResult {
-    let mut bufs: Vec<IoSliceMut<'_>> = segments
-        .iter()
-        // SAFETY: this worker is the only one handling the chunk, while the plan is alive.
-        .map(|s| IoSliceMut::new(unsafe { s.dest_mut() }))
-        .collect();
-    prefault(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
-    let mut rest: &mut [IoSliceMut<'_>] = &mut bufs;
-    let mut done = 0usize;
-    while !rest.is_empty() {
-        match platform::read_vectored_at(file, rest, offset + done as u64) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err((done, e)),
-            Ok(0) => return Err((done, ended_early(rest.iter().map(|b| b.len()).sum()))),
-            Ok(n) => {
-                done += n;
-                IoSliceMut::advance_slices(&mut rest, n);
-            }
-        }
-    }
-    backing::confirm_covered(file, offset, done)
-}
-
 /// Maps the destination pages of one read ahead of it ([`platform::prefault`]): destinations
 /// that follow each other in memory (small tensors packed in an arena) as one span.
 fn prefault(dests: impl Iterator<Item = (*mut u8, usize)>) {
@@ -488,6 +397,7 @@ fn prefault(dests: impl Iterator<Item = (*mut u8, usize)>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use std::io::Write;
 
     fn temp_file(bytes: &[u8], tag: &str) -> (std::path::PathBuf, Backing) {
@@ -495,7 +405,7 @@ mod tests {
             std::env::temp_dir().join(format!("safeload-engine-{}-{tag}", std::process::id()));
         File::create(&path).unwrap().write_all(bytes).unwrap();
         let file = File::open(&path).unwrap();
-        (path, Backing::File(file))
+        (path, Backing::from(file))
     }
 
     fn open_direct(path: &Path) -> Option<Uncached> {
@@ -606,7 +516,7 @@ mod tests {
     #[test]
     fn full_read_the_file_no_longer_covers_names_tensor_and_offset() {
         let path = Path::new("/dev/zero");
-        let zeros = Backing::File(File::open(path).unwrap());
+        let zeros = Backing::from(File::open(path).unwrap());
         for converts in [false, true] {
             let mut bufs =
                 crate::read::buffer::allocate(&[50, if converts { 160 } else { 80 }]).unwrap();

@@ -2,11 +2,17 @@
 //! or an object in a store read with ranged GETs (`remote`, the pread path only); what each can
 //! do, asked rather than which it is. `location::open` makes one.
 //!
+//! The reader's one way in is a [`Reader`] (one per worker and input): it fills buffers from an
+//! offset whatever holds the bytes (`preadv` of the file, ranged GETs of the object), so nothing
+//! above this layer names a kind of storage.
+//!
 //! Also the one rule every read of a local file ends with ([`confirm_covered`]): a read that got
 //! all its bytes still fails when the file no longer covers them.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, IoSliceMut};
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
 
 use crate::platform;
 
@@ -21,7 +27,25 @@ pub enum Backing {
     Remote(crate::storage::remote::Object),
 }
 
+impl From<File> for Backing {
+    fn from(file: File) -> Self {
+        Backing::File(file)
+    }
+}
+
 impl Backing {
+    /// One worker's reader of this backing at `path`. `own_fd`: a file is read through a
+    /// descriptor of the worker's own, opened on first use (network filesystems serialise reads
+    /// on one descriptor); an object's requests are the worker's own already.
+    pub fn reader<'a>(&'a self, path: &'a Path, own_fd: bool) -> Reader<'a> {
+        Reader {
+            backing: self,
+            path,
+            own_fd,
+            fd: None,
+        }
+    }
+
     /// The local file; None for an object in a store.
     pub fn file(&self) -> Option<&File> {
         match self {
@@ -90,6 +114,80 @@ impl Backing {
             }
         }
     }
+}
+
+/// One worker's way of reading one input (made by [`Backing::reader`]): whatever holds the bytes,
+/// the same calls.
+pub struct Reader<'a> {
+    backing: &'a Backing,
+    path: &'a Path,
+    own_fd: bool,
+    /// The worker's own descriptor, once opened; None where opening it failed too (the shared
+    /// one is read then).
+    fd: Option<File>,
+}
+
+impl Reader<'_> {
+    /// The file this worker reads through: the shared descriptor or its own. None for an object.
+    fn file(&mut self) -> Option<&File> {
+        let shared = self.backing.file()?;
+        if !self.own_fd {
+            return Some(shared);
+        }
+        if self.fd.is_none() {
+            // A path swapped for a FIFO since the source opened it is refused, not waited on.
+            self.fd = platform::open_regular(self.path).ok();
+        }
+        Some(self.fd.as_ref().unwrap_or(shared))
+    }
+
+    /// Tells the storage these bytes will be read soon, so it reads them while the caller does
+    /// something else: the page cache is asked for a file's; an object's have nowhere to wait.
+    pub fn ask_ahead(&mut self, offset: u64, len: u64) {
+        if let Some(file) = self.file() {
+            platform::prefetch(file, offset, len);
+        }
+    }
+
+    /// Fills `bufs`, in order, with the bytes from `offset` on, retrying short reads and EINTR (a
+    /// file) or resuming a failed request (an object); a file then confirms it still covers them
+    /// ([`confirm_covered`]). An end before all of them is an `UnexpectedEof` error
+    /// ([`ended_early`]); `stop` set makes an object's read give up (`Interrupted`). On failure
+    /// returns how many bytes can be trusted.
+    pub fn read_exact_into(
+        &mut self,
+        offset: u64,
+        bufs: &mut [IoSliceMut<'_>],
+        stop: &AtomicBool,
+    ) -> Covered {
+        #[cfg(feature = "remote")]
+        if let Backing::Remote(object) = self.backing {
+            let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut **b).collect();
+            return object.read_into(offset, &mut dests, stop);
+        }
+        let _ = stop; // a file's read is not stopped midway: each is MiB-sized
+        let file = self.file().expect("a backing is a file or an object");
+        read_exact_into(file, offset, bufs)
+    }
+}
+
+/// Fills `bufs`, in order, from `offset` of `file`, retrying short reads and EINTR; then
+/// [`confirm_covered`]. On failure returns how many bytes were read before it.
+pub fn read_exact_into(file: &File, offset: u64, bufs: &mut [IoSliceMut<'_>]) -> Covered {
+    let mut rest: &mut [IoSliceMut<'_>] = bufs;
+    let mut done = 0usize;
+    while !rest.is_empty() {
+        match platform::read_vectored_at(file, rest, offset + done as u64) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((done, e)),
+            Ok(0) => return Err((done, ended_early(rest.iter().map(|b| b.len()).sum()))),
+            Ok(n) => {
+                done += n;
+                IoSliceMut::advance_slices(&mut rest, n);
+            }
+        }
+    }
+    confirm_covered(file, offset, done)
 }
 
 /// On failure: how many of the bytes asked for can be trusted (read, and still in the file),
