@@ -1,14 +1,25 @@
-"""What ``verify=`` costs: a load with and without it, with the verified record of an unchanged
-file (``verify_cache=``), a ``get_tensor`` loop over ``safe_open`` (what ``from_pretrained`` runs)
-with and without it, and the way users check today (hashlib over each file, then the load), side
-by side in fresh processes, interleaved, warm and cold, medians, with peak RSS; and hashlib over
-the largest file alone (the least a hash costs on one core).
+"""What ``verify=`` costs on the calls users make, with their default arguments: ``load_file``,
+``load_checkpoint`` and a ``safe_open`` + ``get_tensor`` loop (what ``from_pretrained`` runs),
+each with and without ``verify=`` (and ``load_checkpoint`` with the verified record of an
+unchanged file, ``verify_cache=``), beside the ways users check today and the machine's limits:
+one thread reading each file and hashing it (8 MiB reads, hashlib: the cold limit), hashlib over
+each file then safetensors 0.8's ``load_file`` (the old way), and hashlib over the warm files
+(one core's SHA-256). Fresh processes, interleaved, each first in turn, warm and cold, medians,
+peak RSS, every round kept (``--json``).
 
-    python benches/verify.py CHECKPOINT... [--rounds 3] [--json OUT]   # OUT: every child, round by round
+    python benches/verify.py CHECKPOINT... [--rounds 3] [--json OUT]
+    python benches/verify.py --from-pretrained MODEL_DIR [--rounds 3]
 
 Each CHECKPOINT is a .safetensors file or a folder of shards (`bench.py`'s samples:
-bench-data/full/sharded, bench-data/full/llama/model.safetensors). Cold rounds drop the files'
-pages with POSIX_FADV_DONTNEED (the host may still cache them: cold figures vary)."""
+bench-data/full/llama/model.safetensors, bench-data/full/sharded). ``--from-pretrained`` times an
+unmodified transformers ``from_pretrained`` of a model folder (``e2e.py``'s sample): stock, stock
+after hashlib over its files, and ``SAFELOAD_PATCH=1 SAFELOAD_VERIFY=1`` against a ``SHA256SUMS``
+beside hard links to the files (so both read the same pages). Cold rounds drop the files' pages
+with POSIX_FADV_DONTNEED (the host may still cache them: cold figures vary).
+
+Bars (issue 69): cold, each verified call >= 0.9x the one-thread read and hash and >= 1.3x
+hashlib-then-0.8; warm >= 0.87x min(the same call unverified, one core's SHA-256), in rates; a
+verified ``from_pretrained`` >= 1.3x stock + hashlib."""
 
 from __future__ import annotations
 
@@ -22,52 +33,112 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
-HOWS = ("load", "verify=", "verify= + record", "get_tensor loop", "get_tensor loop, verify=",
-        "hashlib, then load", "hashlib, largest file")
+#: (how, the same call unverified or None): every call the table reports.
+HOWS: Tuple[Tuple[str, Optional[str]], ...] = (
+    ("load_file", None),
+    ("load_file, verify=", "load_file"),
+    ("load_checkpoint", None),
+    ("load_checkpoint, verify=", "load_checkpoint"),
+    ("load_checkpoint, verify= + record", "load_checkpoint"),
+    ("get_tensor loop", None),
+    ("get_tensor loop, verify=", "get_tensor loop"),
+    ("read then hash, one thread", None),
+    ("hashlib, then 0.8 load_file", None),
+    ("hashlib", None),
+)
+VERIFIED = [h for h, plain in HOWS if plain]
 
-CHILD = r"""
+PRELUDE = r"""
 import hashlib, json, os, resource, sys, time
-import torch, safeload.torch
-how, target, cold, pins, record = sys.argv[1], sys.argv[2], sys.argv[3] == "1", json.loads(sys.argv[4]), sys.argv[5]
-files = [os.path.join(target, n) for n in pins] if os.path.isdir(target) else [target]
-for f in files:
-    fd = os.open(f, os.O_RDONLY)
-    if cold:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    else:
-        while os.read(fd, 64 << 20):
-            pass
-    os.close(fd)
-t = time.perf_counter()
-def loop(verify):
-    out = {}
+def settle(files, cold):
     for f in files:
-        with safeload.safe_open(f, "pt", backend="pread", verify=verify and {os.path.basename(f): pins[os.path.basename(f)]}) as h:
-            out.update((k, h.get_tensor(k)) for k in h.keys())
-    return out
-if how == "load":
-    sd = safeload.torch.load_checkpoint(target, backend="pread")
-elif how == "verify=":
-    sd = safeload.torch.load_checkpoint(target, backend="pread", verify=pins)
-elif how == "verify= + record":
-    sd, stats = safeload.torch.load_checkpoint(target, backend="pread", verify=pins, verify_cache=record, return_stats=True)
-    assert stats.recorded_files == len(files), stats
-elif how == "get_tensor loop":
-    sd = loop(False)
-elif how == "get_tensor loop, verify=":
-    sd = loop(True)
-elif how == "hashlib, largest file":
-    f = max(files, key=os.path.getsize)
+        fd = os.open(f, os.O_RDONLY)
+        if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        else:
+            while os.read(fd, 64 << 20):
+                pass
+        os.close(fd)
+def sha(f):
     with open(f, "rb") as fh:
-        assert hashlib.file_digest(fh, "sha256").hexdigest() == pins[os.path.basename(f)]
-    sd = {}
-else:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+def report(t, n):
+    print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "n": n}))
+"""
+
+CHILD = PRELUDE + r"""
+import torch, safeload, safeload.torch, safetensors.torch
+how, target, cold, pins, record = sys.argv[1], sys.argv[2], sys.argv[3] == "1", json.loads(sys.argv[4]), sys.argv[5]
+files = [os.path.join(target, n) for n in sorted(pins)] if os.path.isdir(target) else [target]
+pin = lambda f: {os.path.basename(f): pins[os.path.basename(f)]}
+settle(files, cold)
+t = time.perf_counter()
+sd = {}
+if how == "load_file":
     for f in files:
-        with open(f, "rb") as fh:
-            assert hashlib.file_digest(fh, "sha256").hexdigest() == pins[os.path.basename(f)]
-    sd = safeload.torch.load_checkpoint(target, backend="pread")
-seconds = time.perf_counter() - t
-print(json.dumps({"s": seconds, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "n": len(sd)}))
+        sd.update(safeload.torch.load_file(f))
+elif how == "load_file, verify=":
+    for f in files:
+        sd.update(safeload.torch.load_file(f, verify=pin(f)))
+elif how == "load_checkpoint":
+    sd = safeload.torch.load_checkpoint(target)
+elif how == "load_checkpoint, verify=":
+    sd = safeload.torch.load_checkpoint(target, verify=pins)
+elif how == "load_checkpoint, verify= + record":
+    sd, stats = safeload.torch.load_checkpoint(target, verify=pins, verify_cache=record, return_stats=True)
+    assert stats.recorded_files == len(files), stats
+elif how in ("get_tensor loop", "get_tensor loop, verify="):
+    for f in files:
+        with safeload.safe_open(f, "pt", verify=pin(f) if how.endswith("verify=") else None) as h:
+            sd.update((k, h.get_tensor(k)) for k in h.keys())
+elif how == "read then hash, one thread":
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(view[:n])
+        assert h.hexdigest() == pins[os.path.basename(f)]
+elif how == "hashlib, then 0.8 load_file":
+    for f in files:
+        assert sha(f) == pins[os.path.basename(f)]
+    for f in files:
+        sd.update(safetensors.torch.load_file(f))
+elif how == "hashlib":
+    for f in files:
+        assert sha(f) == pins[os.path.basename(f)]
+else:
+    raise SystemExit(f"unknown way {how!r}")
+report(t, len(sd))
+"""
+
+#: from_pretrained: stock, stock after hashlib, the patch with SAFELOAD_VERIFY=1 (a SHA256SUMS).
+PRETRAINED = ("stock", "hashlib, then stock", "SAFELOAD_PATCH=1", "SAFELOAD_PATCH=1 SAFELOAD_VERIFY=1")
+
+PRETRAINED_CHILD = PRELUDE + r"""
+import torch, transformers
+how, folder, cold = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+sums = dict(reversed(line.split()) for line in open(os.path.join(folder, "SHA256SUMS")))
+config = transformers.AutoConfig.from_pretrained(folder)
+transformers.AutoModelForCausalLM.from_config  # the model's module imported before the clock
+verified = []
+if how.endswith("VERIFY=1"):
+    import logging
+    class Count(logging.Handler):
+        def emit(self, record):
+            verified.append(record.getMessage()) if record.getMessage().startswith("verified ") else None
+    logging.getLogger("safeload").addHandler(Count())
+    logging.getLogger("safeload").setLevel(logging.INFO)
+settle(files, cold)
+t = time.perf_counter()
+if how == "hashlib, then stock":
+    for f in files:
+        assert sha(f) == sums[os.path.basename(f)]
+model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+assert len(verified) == (len(files) if how.endswith("VERIFY=1") else 0), verified
+report(t, sum(1 for _ in model.parameters()))
 """
 
 
@@ -82,9 +153,22 @@ def _sha(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _child(code: str, args: List[str], env: Optional[Dict[str, str]] = None) -> Dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{args[0]} failed:\n{out.stdout}{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(xs: List[float]) -> float:
+    return statistics.median(xs)
+
+
 def run(targets: List[str], rounds: int, record: str, runs: Optional[List[Dict]] = None) -> List[str]:
-    """The table's lines: one row per checkpoint and cache state. Each child's figures are also
-    appended to ``runs`` when given (a median hides a slow round; ``--json`` keeps them)."""
+    """The table's lines: one row per checkpoint, cache state and verified call. Each child's
+    figures are also appended to ``runs`` when given (a median hides a slow round; ``--json``
+    keeps them); every round is printed as it finishes."""
+    hows = [h for h, _ in HOWS]
     res: Dict[Tuple[str, bool, str], List[Tuple[float, int]]] = {}
     for target in targets:
         pins = json.dumps({os.path.basename(f): _sha(f) for f in _files(target)})
@@ -94,41 +178,90 @@ def run(targets: List[str], rounds: int, record: str, runs: Optional[List[Dict]]
                         "verify_cache=sys.argv[3])", target, pins, record], check=True)
         for r in range(rounds):
             for cold in (False, True):
-                k = r % len(HOWS)
-                for how in HOWS[k:] + HOWS[:k]:  # each first in turn
-                    out = subprocess.run([sys.executable, "-c", CHILD, how, target, "1" if cold else "0", pins,
-                                          record], capture_output=True, text=True, check=True)
-                    got = json.loads(out.stdout.strip().splitlines()[-1])
+                k = r % len(hows)
+                for how in hows[k:] + hows[:k]:  # each first in turn
+                    got = _child(CHILD, [how, target, "1" if cold else "0", pins, record])
                     res.setdefault((target, cold, how), []).append((got["s"], got["rss"]))
                     if runs is not None:
                         runs.append({"checkpoint": target, "state": "cold" if cold else "warm", "how": how,
                                      "round": r, "s": got["s"], "peak_rss_kib": got["rss"]})
-    lines = ["| checkpoint | state | load s | `verify=` s | ratio | / max(load, hashlib largest) "
-             "| + record s | ratio | loop s | loop `verify=` s | ratio | hashlib, then load s | that / `verify=` "
-             "| peak RSS load / `verify=` / loop / loop `verify=` MiB |", "|---" * 14 + "|"]
+                print(f"# round {r + 1} {'cold' if cold else 'warm'} {target}: " + ", ".join(
+                    f"{h} {res[(target, cold, h)][-1][0]:.3f}s" for h in hows), file=sys.stderr, flush=True)
+    lines = ["| checkpoint | state | call | verified s | unverified s | limit s | vs limit | old way s | vs old way "
+             "| bars met | peak RSS verified / unverified MiB |", "|---" * 11 + "|"]
     for target in targets:
         for cold in (False, True):
-            m = {h: statistics.median(x[0] for x in res[(target, cold, h)]) for h in HOWS}
-            rss = {h: statistics.median(x[1] for x in res[(target, cold, h)]) / 1024 for h in HOWS}
-            floor = max(m["load"], m["hashlib, largest file"])
-            v, rec, lo, lv, hl = (m["verify="], m["verify= + record"], m["get_tensor loop"],
-                                  m["get_tensor loop, verify="], m["hashlib, then load"])
-            lines.append(f"| {target} | {'cold' if cold else 'warm'} | {m['load']:.3f} | {v:.3f} | "
-                         f"{v / m['load']:.2f} | {v / floor:.2f} | {rec:.3f} | {rec / m['load']:.2f} | {lo:.3f} | "
-                         f"{lv:.3f} | {lv / lo:.2f} | {hl:.3f} | {hl / v:.2f} | {rss['load']:.0f} / "
-                         f"{rss['verify=']:.0f} / {rss['get_tensor loop']:.0f} / {rss['get_tensor loop, verify=']:.0f} |")
+            m = {h: _median([x[0] for x in res[(target, cold, h)]]) for h in hows}
+            rss = {h: _median([x[1] for x in res[(target, cold, h)]]) / 1024 for h in hows}
+            old = m["hashlib, then 0.8 load_file"]
+            for how, plain in HOWS:
+                if not plain:
+                    continue
+                v = m[how]
+                if cold:  # rates: the limit's time over the call's
+                    limit = m["read then hash, one thread"]
+                    met = limit / v >= 0.9 and old / v >= 1.3
+                else:
+                    limit = max(m[plain], m["hashlib"])
+                    met = limit / v >= 0.87
+                lines.append(f"| {target} | {'cold' if cold else 'warm'} | {how} | {v:.3f} | {m[plain]:.3f} | "
+                             f"{limit:.3f} | {limit / v:.2f}x | {old:.3f} | {old / v:.2f}x | "
+                             f"{'yes' if met else 'NO'} | {rss[how]:.0f} / {rss[plain]:.0f} |")
+    return lines
+
+
+def run_pretrained(folder: str, rounds: int, runs: Optional[List[Dict]] = None) -> List[str]:
+    """``from_pretrained`` rows: the model's files hard-linked into a temporary folder beside a
+    ``SHA256SUMS`` (what ``SAFELOAD_VERIFY=1`` checks against)."""
+    res: Dict[Tuple[bool, str], List[Tuple[float, int]]] = {}
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(folder))) as tmp:
+        for name in os.listdir(folder):
+            os.link(os.path.join(folder, name), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "SHA256SUMS"), "w") as f:
+            f.writelines(f"{_sha(p)}  {os.path.basename(p)}\n" for p in _files(tmp))
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SAFELOAD_")}
+        base["HF_HUB_OFFLINE"] = "1"
+        for r in range(rounds):
+            for cold in (False, True):
+                k = r % len(PRETRAINED)
+                for how in PRETRAINED[k:] + PRETRAINED[:k]:
+                    env = dict(base)
+                    env.update(kv.split("=") for kv in how.split() if kv.startswith("SAFELOAD_"))
+                    got = _child(PRETRAINED_CHILD, [how, tmp, "1" if cold else "0"], env)
+                    res.setdefault((cold, how), []).append((got["s"], got["rss"]))
+                    if runs is not None:
+                        runs.append({"checkpoint": folder, "state": "cold" if cold else "warm", "how": how,
+                                     "round": r, "s": got["s"], "peak_rss_kib": got["rss"]})
+                print(f"# round {r + 1} {'cold' if cold else 'warm'} from_pretrained: " + ", ".join(
+                    f"{h} {res[(cold, h)][-1][0]:.3f}s" for h in PRETRAINED), file=sys.stderr, flush=True)
+    lines = ["| from_pretrained | state | " + " | ".join(f"{h} s" for h in PRETRAINED)
+             + " | stock + hashlib / verified (bar 1.3x) | peak RSS " + " / ".join(PRETRAINED) + " MiB |",
+             "|---" * (len(PRETRAINED) + 4) + "|"]
+    for cold in (False, True):
+        m = {h: _median([x[0] for x in res[(cold, h)]]) for h in PRETRAINED}
+        rss = {h: _median([x[1] for x in res[(cold, h)]]) / 1024 for h in PRETRAINED}
+        ratio = m["hashlib, then stock"] / m[PRETRAINED[-1]]
+        lines.append(f"| {folder} | {'cold' if cold else 'warm'} | " + " | ".join(f"{m[h]:.3f}" for h in PRETRAINED)
+                     + f" | {ratio:.2f}x{'' if ratio >= 1.3 else ' (NO)'} | "
+                     + " / ".join(f"{rss[h]:.0f}" for h in PRETRAINED) + " |")
     return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("checkpoints", nargs="*")
+    p.add_argument("--from-pretrained", metavar="MODEL_DIR", help="also time from_pretrained of this model folder")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", metavar="OUT", help="also write every child's figures here, round by round")
     args = p.parse_args()
+    if not args.checkpoints and not args.from_pretrained:
+        p.error("name a checkpoint or --from-pretrained MODEL_DIR")
     runs: List[Dict] = []
-    with tempfile.TemporaryDirectory() as record:
-        print("\n".join(run(args.checkpoints, args.rounds, record, runs)))
+    if args.checkpoints:
+        with tempfile.TemporaryDirectory() as record:
+            print("\n".join(run(args.checkpoints, args.rounds, record, runs)), flush=True)
+    if args.from_pretrained:
+        print("\n".join(run_pretrained(args.from_pretrained, args.rounds, runs)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": args.rounds, "cores": os.cpu_count(), "runs": runs}, f, indent=1)
