@@ -5,7 +5,9 @@ unchanged file, ``verify_cache=``), beside the ways users check today and the ma
 one thread reading each file and hashing it (8 MiB reads, hashlib: the cold limit), hashlib over
 each file then safetensors 0.8's ``load_file`` (the old way), and hashlib over the warm files
 (one core's SHA-256). Fresh processes, interleaved, each first in turn, warm and cold, medians,
-peak RSS, every round kept (``--json``).
+peak RSS, every round kept (``--json``). Each load is timed until every tensor is used (one byte
+of every page read, ``bench.touch``): a lazy map's reads are paid inside its own clock, not left
+to run on into the next child's.
 
     python benches/verify.py CHECKPOINT... [--rounds 3] [--json OUT]
     python benches/verify.py --from-pretrained MODEL_DIR [--rounds 3]
@@ -50,6 +52,8 @@ VERIFIED = [h for h, plain in HOWS if plain]
 
 PRELUDE = r"""
 import hashlib, json, os, resource, sys, time
+sys.path.insert(0, os.environ["VERIFY_BENCHES"])
+from bench import touch  # one byte of every page: a lazy map's faults are paid, as a user's first use would
 def settle(files, cold):
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -110,6 +114,8 @@ elif how == "hashlib":
         assert sha(f) == pins[os.path.basename(f)]
 else:
     raise SystemExit(f"unknown way {how!r}")
+for v in sd.values():
+    touch(v)
 report(t, len(sd))
 """
 
@@ -119,6 +125,11 @@ PRETRAINED = ("stock", "hashlib, then stock", "SAFELOAD_PATCH=1", "SAFELOAD_PATC
 PRETRAINED_CHILD = PRELUDE + r"""
 import torch, transformers
 how, folder, cold = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if os.environ.get("SAFELOAD_PATCH"):
+    import importlib, safetensors
+    # What the startup hook runs (idempotent when it ran already): an editable install has no hook.
+    importlib.import_module("safeload.patch")._autopatch()
+    assert safetensors.safe_open.__module__.startswith("safeload"), "SAFELOAD_PATCH=1 did not patch"
 files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 sums = dict(reversed(line.split()) for line in open(os.path.join(folder, "SHA256SUMS")))
 config = transformers.AutoConfig.from_pretrained(folder)
@@ -137,6 +148,8 @@ if how == "hashlib, then stock":
     for f in files:
         assert sha(f) == sums[os.path.basename(f)]
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+for p in model.parameters():
+    touch(p)
 assert len(verified) == (len(files) if how.endswith("VERIFY=1") else 0), verified
 report(t, sum(1 for _ in model.parameters()))
 """
@@ -154,6 +167,7 @@ def _sha(path: str) -> str:
 
 
 def _child(code: str, args: List[str], env: Optional[Dict[str, str]] = None) -> Dict:
+    env = dict(os.environ if env is None else env, VERIFY_BENCHES=os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{args[0]} failed:\n{out.stdout}{out.stderr}")
