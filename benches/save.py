@@ -19,7 +19,8 @@ Scenarios (``--gib`` sets the size of all but ``small``):
 * ``checkpoint``: the ``file`` state dict as a 3-shard checkpoint, synced: 0.8 as users do it
   (``huggingface_hub.split_torch_state_dict_into_shards``, ``save_file`` per shard, ``fsync``, the
   index, then ``sha256sum model-*.safetensors > SHA256SUMS``) against safeload's
-  ``save_checkpoint(manifest=True, fsync=True)``, whose ``SHA256SUMS`` must pass ``sha256sum -c``.
+  ``save_checkpoint(manifest=True, fsync=True)``, whose ``SHA256SUMS`` must pass ``sha256sum -c``;
+  beside them the write limit for the same bytes (``pwrite`` into one file, as for ``file``).
 * ``save_pretrained``: unmodified transformers ``save_pretrained`` of the main job's sample
   (``bench-data/main-job-llama-main``, loaded before the clock; ``--model`` to change; 2 shards,
   ``max_shard_size="700MB"`` as it was written), synced: stock, under ``SAFELOAD_PATCH=1``, stock
@@ -53,7 +54,7 @@ WAYS: Dict[str, List[str]] = {
     "file": [ST, SL, "safeload, 1 thread", "safeload, 2 threads", "safeload, 4 threads", *PWRITE.values()],
     "small": [ST, SL],
     "tmpfs": ["0.8 save_file", "safeload save_file"],
-    "checkpoint": ["0.8 per shard + sha256sum", "safeload save_checkpoint"],
+    "checkpoint": ["0.8 per shard + sha256sum", "safeload save_checkpoint", *PWRITE.values()],
     "save_pretrained": ["stock save_pretrained", "SAFELOAD_PATCH=1", "stock + sha256sum",
                         "SAFELOAD_PATCH=1 + SAVE_MANIFEST"],
 }
@@ -154,7 +155,7 @@ else:
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
-assert scenario != "checkpoint" or len(shards) == 3, shards
+assert scenario != "checkpoint" or way.startswith("pwrite") or len(shards) == 3, shards
 print(json.dumps({"s": seconds, "rss_growth_kib": peak - base, "bytes": total, "files": shards}))
 """
 
@@ -238,13 +239,14 @@ def run(scenario: str, rounds: int, gib: float, folder: str, model: str) -> Dict
 
 
 def summarize(scenario: str, runs: Dict[str, List[Dict]]) -> List[Dict]:
-    """One row per way (medians), plus the write limit for ``file``; ratios against 0.8 and the limit."""
+    """One row per way (medians), plus the write limit for ``file`` and ``checkpoint``; ratios
+    against 0.8 and the limit."""
     rows = []
     for way, got in runs.items():
         rows.append({"way": way, "s": statistics.median(g["s"] for g in got), "bytes": got[0]["bytes"],
                      "rss_mib": statistics.median(g["rss_growth_kib"] for g in got) / 1024})
     limit: Optional[Dict] = None
-    if scenario == "file":
+    if scenario in ("file", "checkpoint"):
         limit = dict(min((r for r in rows if r["way"] in PWRITE.values()), key=lambda r: r["s"]), way=LIMIT)
         rows.append(limit)
     st = rows[0]["s"]  # the first way is always 0.8's

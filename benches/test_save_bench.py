@@ -28,4 +28,6 @@ def test_save_bench_rows(tmp_path):
     got = json.loads(out.read_text())["scenarios"]
     assert set(got) == {"file", "small", "tmpfs", "checkpoint", "save_pretrained"}
     assert len(got["file"]["rows"]) == 9 and got["file"]["rows"][-1]["of_limit"] == 1.0
+    # the checkpoint beside the write limit for the same bytes: 2 ways, 3 pwrite, the limit
+    assert len(got["checkpoint"]["rows"]) == 6 and got["checkpoint"]["rows"][-1]["way"] == "write limit (best pwrite)"
     assert all(f"| {row['way']} |" in r.stdout for s in got.values() for row in s["rows"])
