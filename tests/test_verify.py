@@ -372,6 +372,25 @@ def test_a_verified_handle_serves_the_bytes_it_hashed(ckpt):
     assert again is not None
 
 
+def test_a_whole_slice_of_a_verified_handle_is_handed_out_as_get_tensor_is(ckpt):
+    """get_slice(k)[...] (how transformers materializes every tensor) takes the tensor from the
+    hashed bytes without a copy, as get_tensor does: equal to 0.8's, and asked for again it is read
+    and hashed again (so a change after the first hash fails it); a part still cuts a copy."""
+    folder, ref, digests = ckpt
+    one = folder / "model-00003-of-00003.safetensors"
+    pin = {one.name: digests[one.name]}
+    with safeload.safe_open(str(one), "pt", verify=pin) as f:
+        part = f.get_slice("l2.w")[:1]  # cut from the bytes held: a copy
+        whole = f.get_slice("l2.w")[...]  # the held bytes themselves: no second hash
+        assert torch.equal(whole, ref["l2.w"]) and torch.equal(part, ref["l2.w"][:1])
+        assert f.stats.verified_files == 1
+        assert torch.equal(f.get_slice("l2.b")[:], ref["l2.b"])
+        _flip(one, os.path.getsize(one) - 1)
+        with pytest.raises(safeload.SafetensorError, match="SHA-256 mismatch"):
+            f.get_slice("l2.w")[...]  # handed out already: read and hashed again
+    _flip(one, os.path.getsize(one) - 1)
+
+
 def test_safeload_verify_in_the_environment(ckpt, monkeypatch, caplog):
     """SAFELOAD_VERIFY=1: what the source knows is checked, files with none load unverified
     (counted, logged); =strict: a file with none is an error; verify=False turns it off."""

@@ -237,7 +237,9 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Part of tensor `info` of pinned shard `shard`, cut from its held bytes.
+    /// Part of tensor `info` of pinned shard `shard`, cut from its held bytes; a part that is the
+    /// whole tensor (`get_slice(k)[...]`, as transformers materializes every tensor) is handed
+    /// out as [`Checkpoint::take`] hands out a `get_tensor`: no copy, and it leaves the store.
     pub(super) fn slice_pinned(
         &self,
         shard: usize,
@@ -247,6 +249,9 @@ impl Checkpoint {
         done: &mut ReadCounts,
     ) -> Result<TensorBytes> {
         let mut held = self.pins.held(shard);
+        if plan.is_whole(info.end - info.begin) {
+            return self.take(shard, info, &mut held, poll, done);
+        }
         let index = self.index_in(shard, info);
         let whole = self.present(shard, index, &mut held, poll, done)?;
         crate::read::buffer::cut(plan, whole)

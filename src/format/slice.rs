@@ -71,6 +71,23 @@ pub struct SlicePlan {
     pub nbytes: usize,
 }
 
+impl SlicePlan {
+    /// Whether the slice is every byte of a tensor of `len` bytes, in order (`t[...]`, `t[:]`,
+    /// a shape change only): gathering it would copy the tensor as it is.
+    pub fn is_whole(&self, len: usize) -> bool {
+        let mut pos = 0;
+        for row in &self.rows {
+            for r in 0..row.count {
+                if row.offset + r * row.stride_bytes != pos {
+                    return false;
+                }
+                pos += row.run_bytes;
+            }
+        }
+        len > 0 && pos == len && self.nbytes == len
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Row {
     pub offset: usize,
@@ -321,6 +338,17 @@ pub fn gather(plan: &SlicePlan, source: &[u8], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slice_is_whole_only_when_it_takes_every_byte_in_order() {
+        let all = |idx: &[Index]| strict(Dtype::U16, &[4, 3], idx).unwrap().is_whole(24);
+        assert!(all(&[]));
+        assert!(all(&[r(None, None, 1)]));
+        assert!(all(&[r(Some(0), Some(4), 1), r(None, None, 1)]));
+        assert!(!all(&[r(Some(0), Some(3), 1)]));
+        assert!(!all(&[r(None, None, 1), r(Some(0), Some(2), 1)]));
+        assert!(!all(&[r(None, None, 2)]));
+    }
 
     fn r(start: Option<i64>, stop: Option<i64>, step: i64) -> Index {
         Index::Range { start, stop, step }
