@@ -134,21 +134,28 @@ impl<'d> ChunkPlan<'d> {
         }
     }
 
-    /// Reorders the chunks so that the files take turns, each file's chunks still in offset
-    /// order: a read that hashes starts every file's hash at once, so several files hash on
-    /// several cores (one file's SHA-256 is serial) instead of one after the other.
-    pub fn take_turns(&mut self) {
+    /// Reorders the chunks so that the files take turns, `at_once` files at a time (in the order
+    /// they first appear), each file's chunks still in offset order: a read that hashes starts
+    /// that many files' hashes at once, so several files hash on several cores (one file's
+    /// SHA-256 is serial) instead of one after the other, and no more than the cores can run
+    /// beside the readers ([`crate::read::strategy::files_hashed_at_once`]).
+    pub fn take_turns(&mut self, at_once: usize) {
         let files = self.chunks.iter().map(|c| c.file + 1).max().unwrap_or(0);
         if files < 2 {
             return;
         }
         let mut queues = vec![std::collections::VecDeque::new(); files];
+        let mut order = Vec::new();
         for chunk in self.chunks.drain(..) {
+            if queues[chunk.file].is_empty() && !order.contains(&chunk.file) {
+                order.push(chunk.file);
+            }
             queues[chunk.file].push_back(chunk);
         }
-        while queues.iter().any(|q| !q.is_empty()) {
-            self.chunks
-                .extend(queues.iter_mut().filter_map(|q| q.pop_front()));
+        for group in order.chunks(at_once.max(1)) {
+            while group.iter().any(|&f| !queues[f].is_empty()) {
+                (self.chunks).extend(group.iter().filter_map(|&f| queues[f].pop_front()));
+            }
         }
     }
 
@@ -322,9 +329,31 @@ mod tests {
         plan.add(0, 0, a, "a");
         plan.add(1, 0, &mut b[..4096], "b");
         plan.add(2, 0, c, "c");
-        plan.take_turns();
+        plan.take_turns(3);
         let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
         assert_eq!(order, [(0, 0), (1, 0), (2, 0), (0, 4096), (2, 4096)]);
         assert_eq!(plan.total_bytes(), 5 * 4096);
+    }
+
+    #[test]
+    fn files_take_turns_a_few_at_a_time() {
+        let mut bufs = [[0u8; 8192]; 3];
+        let mut plan = ChunkPlan::new(4096);
+        let [a, b, c] = &mut bufs;
+        plan.add(0, 0, a, "a");
+        plan.add(1, 0, b, "b");
+        plan.add(2, 0, c, "c");
+        plan.take_turns(2);
+        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
+        assert_eq!(
+            order,
+            [(0, 0), (1, 0), (0, 4096), (1, 4096), (2, 0), (2, 4096)]
+        );
+        plan.take_turns(1);
+        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
+        assert_eq!(
+            order,
+            [(0, 0), (0, 4096), (1, 0), (1, 4096), (2, 0), (2, 4096)]
+        );
     }
 }

@@ -245,6 +245,13 @@ pub fn readers_beside(threads: usize, hashing: usize) -> usize {
     }
 }
 
+/// Files a read hashes side by side: a hash takes a core and one is kept for the readers. Three
+/// shards hashed at once beside one reader on 2 cores starved the reader of a cold read (3 x 0.14
+/// GiB, `load_checkpoint(verify=)`: see docs/verification.md).
+pub fn files_hashed_at_once() -> usize {
+    platform::cores().saturating_sub(1).max(1)
+}
+
 /// Worker count when the caller does not choose: one per core, at least 2, at most 8.
 pub fn default_threads() -> usize {
     platform::cores().clamp(2, 8)

@@ -116,7 +116,7 @@ fn interleaved<'d>(
     for (file, at, dest) in spans {
         add_span(&mut plan, file, sources[file], at, dest);
     }
-    plan.take_turns();
+    plan.take_turns(strategy::files_hashed_at_once());
     plan
 }
 

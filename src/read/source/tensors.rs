@@ -7,7 +7,7 @@ use crate::format::header::TensorInfo;
 use crate::read::buffer::{self, Fresh, TensorBytes};
 use crate::read::counts::ReadCounts;
 use crate::read::plan::ChunkPlan;
-use crate::read::strategy::Strategy;
+use crate::read::strategy::{self, Strategy};
 
 use super::{ReadOptions, Source, chunk_bytes, execute};
 
@@ -77,7 +77,7 @@ pub fn read_targets(
         }
     }
     if opts.hash {
-        plan.take_turns();
+        plan.take_turns(strategy::files_hashed_at_once());
     }
     execute(sources, &plan, strategies, opts, poll)
 }
