@@ -126,15 +126,11 @@ fn write_and_hash(
     options: &WriteOptions,
 ) -> Result<Vec<Digest>> {
     let handles = temps.handles();
-    let kinds: Vec<FsKind> = (0..files.len()).map(|i| temps.kind(i)).collect();
-    // Where pages can be readied, one core is kept for the readier even when the files could
-    // each have a writer of their own: one writer into readied pages outpaces two making their
-    // own (3 shards, 2 GiB, synced, on 2 cores: see docs/saving.md). The hash threads are not
-    // counted: hashing (1.4 GB/s a thread) outpaces the buffered writes it runs beside, and with
-    // them counted a save with its manifest on 2 cores took 0.82-2.77 s (pages made by the
-    // writer) where it took 1.0-1.2 s with them readied.
-    let keep_a_core = ahead::wanted(kinds.iter().copied(), per_file, 1);
-    let (jobs, workers) = jobs(all, per_file, keep_a_core);
+    let (jobs, workers) = jobs(all, per_file);
+    // The hash threads are not counted: hashing (1.4 GB/s a thread) outpaces the buffered writes
+    // it runs beside, and with them counted a save with its manifest on 2 cores took 0.82-2.77 s
+    // (pages made by the writer) where it took 1.0-1.2 s with them readied.
+    let kinds = (0..files.len()).map(|i| temps.kind(i));
     let (ahead, readier) = Ahead::new(kinds, per_file, workers);
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
@@ -188,18 +184,12 @@ fn write_and_hash(
 }
 
 /// What a worker takes at a time, and how many workers there are: a file's pieces in order (one
-/// writer per file, files side by side, up to one per core, or one fewer with `keep_a_core`), or
-/// single pieces (`per_file` writers).
-fn jobs<'a, 'p>(
-    all: &'a [Piece<'p>],
-    per_file: usize,
-    keep_a_core: bool,
-) -> (Vec<&'a [Piece<'p>]>, usize) {
+/// writer per file, files side by side, up to one per core), or single pieces (`per_file`
+/// writers).
+fn jobs<'a, 'p>(all: &'a [Piece<'p>], per_file: usize) -> (Vec<&'a [Piece<'p>]>, usize) {
     let (jobs, workers): (Vec<_>, usize) = if per_file == 1 {
         let jobs: Vec<_> = all.chunk_by(|a, b| a.file == b.file).collect();
-        let cores = platform::cores();
-        let most = if keep_a_core { cores - 1 } else { cores.max(2) };
-        let workers = jobs.len().min(most);
+        let workers = jobs.len().min(platform::cores().max(2));
         (jobs, workers)
     } else {
         (all.chunks(1).collect(), per_file)
