@@ -133,7 +133,9 @@ if os.environ.get("SAFELOAD_PATCH"):
 files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 sums = dict(reversed(line.split()) for line in open(os.path.join(folder, "SHA256SUMS")))
 config = transformers.AutoConfig.from_pretrained(folder)
-transformers.AutoModelForCausalLM.from_config  # the model's module imported before the clock
+# The model's module imported before the clock (from_pretrained imports it first; Llama's pulls
+# in torch._dynamo, 0.7-1.0 s here, which no variant's reads can overlap).
+transformers.AutoModelForCausalLM._model_mapping[type(config)]  # as e2e.prepare does
 verified = []
 if how.endswith("VERIFY=1"):
     import logging
