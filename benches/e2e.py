@@ -420,13 +420,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         if state == "warm":  # read in again: other work may have evicted the files
                             bench._prewarm(_weights(path))
                         spec = {"lib": lib, "state": state, "path": path, "verify": rnd == 0}
-                        r = run_one(spec, VARIANTS.get(v, "1"), python, others.get(v))
+                        patch = VARIANTS.get(v, "1")  # an --against build runs patched
+                        r = run_one(spec, patch, python, others.get(v))
                         r.update(lib=lib, state=state, variant=v, round=rnd)
                         if "error" in r:
                             failures += 1
                             bench._log(f"round {rnd} {lib} {state} {v}: {r['error']}")
                         else:
-                            if r["patched"] != (VARIANTS.get(v, "1") is not None):
+                            if r["patched"] != (patch is not None):
                                 raise SystemExit(f"{v}: safeload patched={r['patched']}, expected the opposite")
                             if "fingerprint" in r:
                                 fingerprints.setdefault(lib, set()).add(r["fingerprint"])

@@ -147,8 +147,8 @@ impl<'d> ChunkPlan<'d> {
         let mut queues = vec![std::collections::VecDeque::new(); files];
         let mut order = Vec::new();
         for chunk in self.chunks.drain(..) {
-            if queues[chunk.file].is_empty() && !order.contains(&chunk.file) {
-                order.push(chunk.file);
+            if queues[chunk.file].is_empty() {
+                order.push(chunk.file); // queues only grow here: empty means not seen yet
             }
             queues[chunk.file].push_back(chunk);
         }
@@ -321,38 +321,44 @@ mod tests {
         assert!(plan.chunks.iter().all(|c| c.len <= 4096));
     }
 
+    /// Three files of 8 KiB in 4 KiB chunks, the second cut to `second` bytes.
+    fn three_files(bufs: &mut [[u8; 8192]; 3], second: usize) -> ChunkPlan<'_> {
+        let mut plan = ChunkPlan::new(4096);
+        let [a, b, c] = bufs;
+        plan.add(0, 0, a, "a");
+        plan.add(1, 0, &mut b[..second], "b");
+        plan.add(2, 0, c, "c");
+        plan
+    }
+
+    fn file_order(plan: &ChunkPlan<'_>) -> Vec<(usize, u64)> {
+        plan.chunks.iter().map(|c| (c.file, c.offset)).collect()
+    }
+
     #[test]
     fn files_take_turns_each_in_offset_order() {
         let mut bufs = [[0u8; 8192]; 3];
-        let mut plan = ChunkPlan::new(4096);
-        let [a, b, c] = &mut bufs;
-        plan.add(0, 0, a, "a");
-        plan.add(1, 0, &mut b[..4096], "b");
-        plan.add(2, 0, c, "c");
+        let mut plan = three_files(&mut bufs, 4096);
         plan.take_turns(3);
-        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
-        assert_eq!(order, [(0, 0), (1, 0), (2, 0), (0, 4096), (2, 4096)]);
+        assert_eq!(
+            file_order(&plan),
+            [(0, 0), (1, 0), (2, 0), (0, 4096), (2, 4096)]
+        );
         assert_eq!(plan.total_bytes(), 5 * 4096);
     }
 
     #[test]
     fn files_take_turns_a_few_at_a_time() {
         let mut bufs = [[0u8; 8192]; 3];
-        let mut plan = ChunkPlan::new(4096);
-        let [a, b, c] = &mut bufs;
-        plan.add(0, 0, a, "a");
-        plan.add(1, 0, b, "b");
-        plan.add(2, 0, c, "c");
+        let mut plan = three_files(&mut bufs, 8192);
         plan.take_turns(2);
-        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
         assert_eq!(
-            order,
+            file_order(&plan),
             [(0, 0), (1, 0), (0, 4096), (1, 4096), (2, 0), (2, 4096)]
         );
         plan.take_turns(1);
-        let order: Vec<(usize, u64)> = plan.chunks.iter().map(|c| (c.file, c.offset)).collect();
         assert_eq!(
-            order,
+            file_order(&plan),
             [(0, 0), (0, 4096), (1, 0), (1, 4096), (2, 0), (2, 4096)]
         );
     }
